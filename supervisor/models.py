@@ -1,0 +1,266 @@
+"""Records every layer shares: frozen, JSON-friendly, no I/O.
+
+This module is the root of the import graph. Detection (diagnosis), choice
+(policy) and action (daemon) all speak in these types, so none of them needs to
+import another to understand its output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Category(StrEnum):
+    """Why an attempt ended. The names are a public vocabulary (CLI JSON, DB)."""
+
+    GPU_OOM = "gpu_oom"
+    HOST_OOM = "host_oom"
+    COMM_FAILURE = "comm_failure"
+    HANG = "hang"
+    CONFIG_ERROR = "config_error"
+    DISK_FULL = "disk_full"
+    NUMERIC = "numeric"
+    DEVICE_FAULT = "device_fault"
+    CRASH_OTHER = "crash_other"
+    SUCCESS = "success"
+    UNKNOWN = "unknown"
+
+
+class Phase(StrEnum):
+    """Where in a training run the failure happened, when it can be told."""
+
+    MODEL_LOAD = "model_load"
+    TRAIN_STEP = "train_step"
+    EVALUATION = "evaluation"
+    CHECKPOINT_SAVE = "checkpoint_save"
+    RESUME = "resume"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One log line a conclusion was drawn from (1-based line number)."""
+
+    line_no: int
+    text: str
+    rule: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    """How the attempt's main process ended, as the launch shim saw it.
+
+    `returncode` follows subprocess conventions (negative = killed by signal);
+    `stopped_by` names the supervisor's own reason when it tore the attempt
+    down (fatal_signal, hang, cancel, shutdown), so a SIGKILL we sent is never
+    mistaken for the kernel OOM killer.
+    """
+
+    returncode: int | None
+    signal: str | None = None
+    duration_s: float | None = None
+    stopped_by: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ExitRecord:
+        return cls(**{f.name: d.get(f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class HostEvidence:
+    """Memory facts gathered at the edge (cgroup, kernel log, samples)."""
+
+    cgroup_oom_kills: int | None = None
+    kernel_oom_lines: tuple[str, ...] = ()
+    min_available_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    memory_limit_bytes: int | None = None
+    limit_mechanism: str | None = None  # "cgroup-v1", "cgroup-v2", "rlimit-data", "rlimit-as"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["kernel_oom_lines"] = list(self.kernel_oom_lines)
+        return d
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Why an attempt failed, with the evidence it rests on.
+
+    `numbers` holds parsed quantities in bytes (tried_to_allocate,
+    total_capacity, free, allocated_by_pytorch, reserved_unallocated, allowed,
+    device_index, shortfall, ...); absent values are simply missing keys.
+    """
+
+    category: Category
+    summary: str
+    subkind: str | None = None
+    vendor: str = "unknown"  # hip | cuda | cpu | unknown
+    phase: Phase = Phase.UNKNOWN
+    rank: int | None = None
+    numbers: Mapping[str, Any] = field(default_factory=dict)
+    evidence: tuple[Evidence, ...] = ()
+    fragmentation: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "category": str(self.category),
+            "summary": self.summary,
+            "subkind": self.subkind,
+            "vendor": self.vendor,
+            "phase": str(self.phase),
+            "rank": self.rank,
+            "numbers": dict(self.numbers),
+            "evidence": [e.to_dict() for e in self.evidence],
+            "fragmentation": self.fragmentation,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Diagnosis:
+        return cls(
+            category=Category(d["category"]),
+            summary=d.get("summary", ""),
+            subkind=d.get("subkind"),
+            vendor=d.get("vendor", "unknown"),
+            phase=Phase(d.get("phase", "unknown")),
+            rank=d.get("rank"),
+            numbers=dict(d.get("numbers") or {}),
+            evidence=tuple(Evidence(**e) for e in d.get("evidence") or ()),
+            fragmentation=bool(d.get("fragmentation", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """The cumulative configuration changes an attempt runs with.
+
+    Attempt 1 runs with `Overrides()` (the user's config as is). Each remedy
+    produces a new Overrides from the previous one; the renderer turns it into
+    files. `rungs` lists applied remedy names in order; `yaml` are
+    LLaMA-Factory keys set; `env` environment variables set; `deepspeed` a
+    generated DeepSpeed config (or None to keep the user's); `notes` say in
+    words what each change costs.
+    """
+
+    rungs: tuple[str, ...] = ()
+    yaml: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    deepspeed: Mapping[str, Any] | None = None
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rungs": list(self.rungs),
+            "yaml": dict(self.yaml),
+            "env": dict(self.env),
+            "deepspeed": dict(self.deepspeed) if self.deepspeed is not None else None,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Overrides:
+        if not d:
+            return cls()
+        return cls(
+            rungs=tuple(d.get("rungs") or ()),
+            yaml=dict(d.get("yaml") or {}),
+            env=dict(d.get("env") or {}),
+            deepspeed=d.get("deepspeed"),
+            notes=tuple(d.get("notes") or ()),
+        )
+
+    def fingerprint(self) -> str:
+        """Stable identity of the configuration, to never repeat a failed one."""
+        import json
+
+        body = {k: v for k, v in self.to_dict().items() if k not in ("rungs", "notes")}
+        return json.dumps(body, sort_keys=True, default=str)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One concrete change a remedy makes, said in words."""
+
+    target: str  # "yaml" | "env" | "deepspeed"
+    key: str
+    old: Any
+    new: Any
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class DecisionKind(StrEnum):
+    RETRY = "retry"  # same configuration, after a backoff
+    ESCALATE = "escalate"  # a new configuration (a remedy rung)
+    FAIL = "fail"  # stop; reason says why in words
+    PAUSE = "pause"  # pause the whole queue (e.g. disk full)
+    DONE = "done"  # the attempt succeeded
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: DecisionKind
+    reason: str
+    delay_s: float = 0.0
+    rung: str | None = None
+    overrides: Overrides | None = None  # what the next attempt runs with
+    changes: tuple[Change, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": str(self.kind),
+            "reason": self.reason,
+            "delay_s": self.delay_s,
+            "rung": self.rung,
+            "overrides": self.overrides.to_dict() if self.overrides else None,
+            "changes": [c.to_dict() for c in self.changes],
+        }
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What the policy may know about a job (no handles, no paths to open)."""
+
+    id: int
+    name: str
+    kind: str  # "llamafactory" | "command"
+    config: Mapping[str, Any]  # the user's LLaMA-Factory config (no supervisor block)
+    world_size: int = 1
+    max_attempts: int = 8
+    param_count: int | None = None  # from the model's config.json, when readable
+    largest_layer_params: int | None = None
+    gpu_capacity_bytes: int | None = None
+    host_ram_bytes: int | None = None
+    torch_version: str | None = None
+    transformers_version: str | None = None
+    uses_vllm: bool = False
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One finished attempt as the policy sees it."""
+
+    number: int
+    overrides: Overrides
+    diagnosis: Diagnosis | None
+    exit: ExitRecord | None
+    resumed_from_step: int | None = None
+    max_step: int | None = None
+    checkpoint_step_after: int | None = None  # last complete checkpoint when it ended
+    decision: str | None = None  # DecisionKind taken after it
