@@ -264,3 +264,22 @@ class AttemptRecord:
     max_step: int | None = None
     checkpoint_step_after: int | None = None  # last complete checkpoint when it ended
     decision: str | None = None  # DecisionKind taken after it
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with user input, said precisely enough to fix it.
+
+    `key` is a dotted path into the job file ("deepspeed.zero_optimization.x");
+    `line` is filled in by the job-file loader where it can be told.
+    """
+
+    key: str
+    message: str
+    suggestion: str | None = None
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f"line {self.line}: " if self.line else ""
+        hint = f" (did you mean {self.suggestion!r}?)" if self.suggestion else ""
+        return f"{where}{self.key}: {self.message}{hint}"

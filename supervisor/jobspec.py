@@ -1,0 +1,290 @@
+"""Job files: the user's LLaMA-Factory YAML as is, plus an optional `supervisor:` block.
+
+Parsing is strict and pure: the same checks run in `submit` and in the
+daemon's intake, and every problem names the key, the line and, for a typo,
+the nearest valid key. A generic job gives `supervisor: {command: [...]}` and
+no LLaMA-Factory keys.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .models import Problem
+
+MAX_JOB_FILE_BYTES = 1024 * 1024
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$", re.IGNORECASE)
+
+
+class JobFileError(ValueError):
+    """A job file that cannot be accepted; carries every problem found."""
+
+    def __init__(self, problems: list[Problem], source: str = "") -> None:
+        self.problems = problems
+        self.source = source
+        head = f"{source}: " if source else ""
+        super().__init__(head + "; ".join(str(p) for p in problems))
+
+    def report(self) -> str:
+        lines = [f"{self.source or 'job file'} was refused ({len(self.problems)} problem(s)):"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def parse_size(value: int | str) -> int:
+    """'2GiB', '1500M', 2000000000 -> bytes. Binary units; 'G' means GiB."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use e.g. 2GiB, 1500MiB or a byte count)")
+    num = float(m.group(1))
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    return int(num * mult)
+
+
+def parse_duration(value: float | int | str) -> float:
+    """'30m', '2h', 90 -> seconds."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = _DURATION_RE.match(str(value))
+    if not m:
+        raise ValueError(f"not a duration: {value!r} (use e.g. 90, 30m or 2h)")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[(m.group(2) or "s").lower()]
+
+
+class NotifySpec(BaseModel):
+    """Run a command (argv, no shell) with the event as JSON on stdin."""
+
+    model_config = ConfigDict(extra="forbid")
+    command: list[str] = Field(min_length=1)
+    on: list[str] = Field(default_factory=lambda: ["succeeded", "failed", "escalated", "paused"])
+
+
+class SupervisorBlock(BaseModel):
+    """The `supervisor:` block of a job file. Unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    policy: str | None = None
+    workdir: str | None = None
+    gpus: list[int] | None = None
+    nproc_per_node: int | None = Field(default=None, ge=1)
+    priority: int = 0
+    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    hang_timeout: float | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    notify: list[NotifySpec] = Field(default_factory=list)
+    command: list[str] | None = None
+    launcher: list[str] | None = None
+    host_memory_limit: int | None = None
+
+    @field_validator("hang_timeout", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Any:
+        return None if v is None else parse_duration(v)
+
+    @field_validator("host_memory_limit", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        return None if v is None else parse_size(v)
+
+    @field_validator("command", "launcher")
+    @classmethod
+    def _argv(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or not all(isinstance(a, str) and a for a in v)):
+            raise ValueError("must be a non-empty list of non-empty strings (argv, no shell)")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise ValueError(f"{k!r} is not a valid environment variable name")
+        return v
+
+
+SUPERVISOR_KEYS = tuple(SupervisorBlock.model_fields)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated job. `config` is the LLaMA-Factory config without the
+    supervisor block, with relative paths left as the user wrote them (they
+    resolve against `workdir`, which is also the attempt's working directory)."""
+
+    kind: str  # "llamafactory" | "command"
+    name: str
+    sup: SupervisorBlock
+    config: Mapping[str, Any]
+    workdir: Path
+    raw_text: str = field(repr=False, default="")
+
+    @property
+    def world_size(self) -> int:
+        if self.sup.nproc_per_node:
+            return self.sup.nproc_per_node
+        return max(1, len(self.sup.gpus)) if self.sup.gpus else 1
+
+    def resolve(self, p: str | Path) -> Path:
+        p = Path(p).expanduser()
+        return p if p.is_absolute() else (self.workdir / p)
+
+
+def suggest(key: str, valid: list[str] | tuple[str, ...]) -> str | None:
+    hits = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return hits[0] if hits else None
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    mapping = yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+    lines = {}
+    for key_node, _ in node.value:
+        try:
+            lines[loader.construct_object(key_node)] = key_node.start_mark.line + 1
+        except Exception:  # unhashable keys are reported by the caller
+            pass
+    loader.key_lines[id(mapping)] = lines
+    return mapping
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_yaml_with_lines(text: str) -> tuple[Any, dict[str, int]]:
+    """Parse YAML; return the data and a map from dotted key path to line."""
+    loader = _LineLoader(text)
+    loader.key_lines = {}
+    try:
+        data = loader.get_single_data()
+    finally:
+        loader.dispose()
+    paths: dict[str, int] = {}
+
+    def walk(obj: Any, prefix: str) -> None:
+        if isinstance(obj, dict):
+            lines = loader.key_lines.get(id(obj), {})
+            for k, v in obj.items():
+                path = f"{prefix}.{k}" if prefix else str(k)
+                if k in lines:
+                    paths[path] = lines[k]
+                walk(v, path)
+
+    walk(data, "")
+    return data, paths
+
+
+def _pydantic_problems(err: ValidationError, lines: dict[str, int]) -> list[Problem]:
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        key = f"supervisor.{loc}" if loc else "supervisor"
+        if e["type"] == "extra_forbidden":
+            last = str(e["loc"][-1])
+            valid = SUPERVISOR_KEYS if len(e["loc"]) == 1 else tuple(NotifySpec.model_fields)
+            out.append(Problem(key, "unknown key", suggest(last, valid), _line_for(key, lines)))
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            out.append(Problem(key, msg, None, _line_for(key, lines)))
+    return out
+
+
+def _line_for(key: str, lines: dict[str, int]) -> int | None:
+    while key:
+        if key in lines:
+            return lines[key]
+        key = key.rpartition(".")[0]
+    return None
+
+
+def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = None,
+                   check_lf: bool = True) -> JobSpec:
+    """Validate a job file's text and return the JobSpec, or raise JobFileError.
+
+    `submit_dir` is where the user ran `submit` (or the spool folder for raw
+    drops); relative `workdir` and paths resolve against it.
+    """
+    try:
+        data, lines = load_yaml_with_lines(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise JobFileError([Problem("(file)", f"YAML does not parse: {problem}", None, line)], source) from None
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else type(data).__name__
+        raise JobFileError([Problem("(file)", f"a job file must be a YAML mapping, this one is {kind}")], source)
+    bad_keys = [k for k in data if not isinstance(k, str)]
+    if bad_keys:
+        raise JobFileError([Problem(str(k), "keys must be strings") for k in bad_keys], source)
+
+    problems: list[Problem] = []
+    raw_sup = data.get("supervisor") or {}
+    if not isinstance(raw_sup, dict):
+        raise JobFileError([Problem("supervisor", "must be a mapping", None, lines.get("supervisor"))], source)
+    try:
+        sup = SupervisorBlock.model_validate(raw_sup)
+    except ValidationError as err:
+        raise JobFileError(_pydantic_problems(err, lines), source) from None
+
+    config = {k: v for k, v in data.items() if k != "supervisor"}
+    base = submit_dir or Path.cwd()
+    workdir = Path(sup.workdir).expanduser() if sup.workdir else base
+    if not workdir.is_absolute():
+        workdir = base / workdir
+    workdir = Path(_normpath(workdir))
+
+    if sup.command is not None:
+        kind = "command"
+        if config:
+            problems.append(Problem(
+                next(iter(config)), "a job with supervisor.command runs that command; "
+                "LLaMA-Factory keys beside it would be ignored, so they are refused",
+                None, lines.get(next(iter(config)))))
+    else:
+        kind = "llamafactory"
+        if not config:
+            problems.append(Problem("(file)", "no LLaMA-Factory training keys and no supervisor.command: nothing to run"))
+        elif check_lf:
+            from .llamafactory.validate import validate_config
+
+            for p in validate_config(config, workdir=workdir):
+                problems.append(Problem(p.key, p.message, p.suggestion, p.line or _line_for(p.key, lines)))
+    if problems:
+        raise JobFileError(problems, source)
+
+    name = sup.name or _default_name(config, source)
+    return JobSpec(kind=kind, name=name, sup=sup, config=config, workdir=workdir, raw_text=text)
+
+
+def _normpath(p: Path) -> str:
+    import os
+
+    return os.path.normpath(str(p))
+
+
+def _default_name(config: Mapping[str, Any], source: str) -> str:
+    if source:
+        stem = Path(source).name
+        for suffix in (".yaml", ".yml"):
+            stem = stem.removesuffix(suffix)
+        if stem:
+            return stem
+    out = config.get("output_dir")
+    return Path(str(out)).name if out else "job"
