@@ -1,0 +1,130 @@
+"""Daemon configuration, layered: defaults < config file < environment < CLI.
+
+The file is YAML and strict (unknown keys refused with a suggestion), like job
+files. Defaults follow the FHS when running as root and XDG folders otherwise,
+so the demo needs no root.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .jobspec import NotifySpec, parse_duration, suggest
+from .paths import SpoolPaths, StatePaths
+
+ENV_STATE = "OOM_SUPERVISOR_STATE_DIR"
+ENV_SPOOL = "OOM_SUPERVISOR_SPOOL_DIR"
+ENV_CONFIG = "OOM_SUPERVISOR_CONFIG"
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def default_dirs() -> tuple[Path, Path, Path]:
+    """(state, spool, config file) for this user."""
+    if _is_root():
+        return (Path("/var/lib/oom-supervisor"), Path("/var/spool/oom-supervisor"),
+                Path("/etc/oom-supervisor/config.yaml"))
+    home = Path.home()
+    state = Path(os.environ.get("XDG_STATE_HOME") or home / ".local/state") / "oom-supervisor"
+    data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local/share") / "oom-supervisor" / "spool"
+    conf = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "oom-supervisor" / "config.yaml"
+    return state, data, conf
+
+
+class DaemonConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    state_dir: Path | None = None
+    spool_dir: Path | None = None
+    default_policy: str = "default"
+    policy_dirs: list[Path] = Field(default_factory=list)
+    launcher: list[str] = Field(default_factory=lambda: ["llamafactory-cli"])
+    max_parallel: int = Field(default=1, ge=1)
+    poll_interval: float = 1.0
+    settle_time: float = 2.0
+    max_job_file_bytes: int = 1024 * 1024
+    stop_grace: float = 30.0
+    fatal_grace: float = 0.5
+    hang_timeout: float = 1800.0
+    env: dict[str, str] = Field(default_factory=dict)
+    notify: list[NotifySpec] = Field(default_factory=list)
+    on_restart: str = "adopt"
+    cgroups: str = "auto"
+
+    @field_validator("poll_interval", "settle_time", "stop_grace", "fatal_grace", "hang_timeout",
+                     mode="before")
+    @classmethod
+    def _dur(cls, v: Any) -> Any:
+        return parse_duration(v)
+
+    @field_validator("on_restart")
+    @classmethod
+    def _restart(cls, v: str) -> str:
+        if v not in ("adopt", "stop"):
+            raise ValueError("must be 'adopt' (keep following a still-running attempt) or 'stop'")
+        return v
+
+    @field_validator("cgroups")
+    @classmethod
+    def _cg(cls, v: str) -> str:
+        if v not in ("auto", "off"):
+            raise ValueError("must be 'auto' or 'off'")
+        return v
+
+    @property
+    def state(self) -> StatePaths:
+        assert self.state_dir is not None
+        return StatePaths(self.state_dir)
+
+    @property
+    def spool(self) -> SpoolPaths:
+        assert self.spool_dir is not None
+        return SpoolPaths(self.spool_dir)
+
+    def policy_search_dirs(self) -> list[Path]:
+        shipped = Path(__file__).resolve().parent.parent / "policies"
+        return [*self.policy_dirs, Path("/etc/oom-supervisor/policies"), shipped]
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: Path | None = None, *, state_dir: Path | None = None,
+                spool_dir: Path | None = None, env: dict[str, str] | None = None) -> DaemonConfig:
+    env = dict(os.environ) if env is None else env
+    d_state, d_spool, d_conf = default_dirs()
+    explicit = path or (Path(env[ENV_CONFIG]) if env.get(ENV_CONFIG) else None)
+    conf_path = explicit or d_conf
+    data: dict[str, Any] = {}
+    if conf_path.exists():
+        try:
+            data = yaml.safe_load(conf_path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{conf_path}: YAML does not parse: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{conf_path}: must be a mapping")
+    elif explicit:
+        raise ConfigError(f"{conf_path}: no such config file")
+    try:
+        cfg = DaemonConfig.model_validate(data)
+    except ValidationError as err:
+        msgs = []
+        for e in err.errors():
+            key = ".".join(str(x) for x in e["loc"])
+            if e["type"] == "extra_forbidden":
+                hint = suggest(str(e["loc"][-1]), tuple(DaemonConfig.model_fields))
+                msgs.append(f"{key}: unknown key" + (f" (did you mean {hint!r}?)" if hint else ""))
+            else:
+                msgs.append(f"{key}: {e['msg']}")
+        raise ConfigError(f"{conf_path}: " + "; ".join(msgs)) from None
+    cfg.state_dir = Path(state_dir or env.get(ENV_STATE) or cfg.state_dir or d_state).expanduser()
+    cfg.spool_dir = Path(spool_dir or env.get(ENV_SPOOL) or cfg.spool_dir or d_spool).expanduser()
+    return cfg

@@ -1,0 +1,210 @@
+"""The daemon: one loop of named steps over the durable record.
+
+Each tick runs intake -> control -> monitor -> schedule. A step that raises is
+logged (and recorded as a daemon event) and the loop goes on: one bad job must
+not stop the others. Signals only set a flag; the loop notices it, stops
+intake, stops running attempts gracefully (they become `interrupted`, which
+is resumable and not a failure) and exits 0.
+
+Crash rules (start-up `recover`): an attempt whose shim is still alive is
+re-adopted (pid + start time) or stopped, per config; one whose shim is gone
+is finished from the exit record the shim wrote, or marked interrupted when
+there is none. Either way nothing is lost and nothing runs twice: the state
+lock keeps a second daemon off the same state folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from . import attempts as attempt_mod
+from .config import DaemonConfig
+from .logsetup import log
+from .notify import Notifier
+from .paths import StatePaths
+from .spool import intake
+from .states import JobState
+from .store import JobRow, Store
+
+
+class DaemonLocked(RuntimeError):
+    pass
+
+
+@dataclass
+class StateLock:
+    """An flock on the state folder: one daemon per state, released by the kernel on death."""
+
+    path: Path
+    fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise DaemonLocked(f"another oom-supervisor daemon (pid {holder}) holds {self.path}; "
+                               "stop it first or use another --state-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class Shutdown(Exception):
+    pass
+
+
+@dataclass
+class Daemon:
+    cfg: DaemonConfig
+    clock: Any = time.time
+    active: dict[int, attempt_mod.Active] = field(default_factory=dict)
+    stopping: bool = False
+
+    def __post_init__(self) -> None:
+        self.state: StatePaths = self.cfg.state
+        self.state.ensure()
+        self.cfg.spool.ensure()
+        self.lock = StateLock(self.state.lock)
+        self.store: Store | None = None
+        self.notifier = Notifier(self.cfg.notify, log=log)
+        self.steps = [("intake", self.step_intake), ("control", self.step_control),
+                      ("monitor", self.step_monitor), ("schedule", self.step_schedule)]
+
+    # --- lifecycle ----------------------------------------------------------------
+    def run(self) -> int:
+        self.lock.acquire()
+        self.store = Store(self.state.db, clock=self.clock)
+        self.runner = attempt_mod.Runner(self.cfg, self.store, self.notifier, clock=self.clock)
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        log.info("daemon_started", pid=os.getpid(), state_dir=str(self.state.root),
+                 spool_dir=str(self.cfg.spool.root), cgroups=str(self.runner.cgroup_support))
+        self.store.event(None, "daemon", f"daemon started (pid {os.getpid()})")
+        try:
+            self.recover()
+            while not self.stopping:
+                self.tick()
+                self._sleep(self.cfg.poll_interval)
+        finally:
+            self.shutdown()
+            for s, h in old.items():
+                signal.signal(s, h)
+            self.store.event(None, "daemon", "daemon stopped")
+            self.store.close()
+            self.lock.release()
+            log.info("daemon_stopped")
+        return 0
+
+    def _on_signal(self, signum, _frame) -> None:
+        if not self.stopping:
+            log.info("shutdown_requested", signal=signal.Signals(signum).name)
+        self.stopping = True
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < end:
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+    def tick(self) -> None:
+        for name, step in self.steps:
+            if self.stopping and name in ("intake", "schedule"):
+                continue
+            try:
+                step()
+            except Exception as exc:  # one failing step must not stop the loop
+                log.exception("step_failed", step=name)
+                try:
+                    self.store.event(None, "daemon_error", f"step {name} failed: {exc!r}")
+                except Exception:
+                    pass
+
+    def shutdown(self) -> None:
+        """Stop running attempts gracefully; they are interrupted, not failed."""
+        for job_id in list(self.active):
+            act = self.active.pop(job_id)
+            try:
+                self.runner.stop(act, reason="shutdown", grace_s=self.cfg.stop_grace)
+                self.runner.finish(act)
+            except Exception:
+                log.exception("shutdown_stop_failed", job=job_id)
+
+    # --- steps ----------------------------------------------------------------------
+    def step_intake(self) -> None:
+        intake(self.cfg.spool, self.state, self.store, settle_s=self.cfg.settle_time,
+               max_bytes=self.cfg.max_job_file_bytes, now=self.clock(), log=log)
+
+    def step_control(self) -> None:
+        """Act on requests the CLI left in the record (cancel of a running job)."""
+        for job_id, act in list(self.active.items()):
+            job = self.store.job(job_id)
+            if job is not None and job.cancel_requested:
+                self.runner.stop(act, reason="cancel", grace_s=self.cfg.stop_grace)
+
+    def step_monitor(self) -> None:
+        for job_id, act in list(self.active.items()):
+            done = self.runner.poll(act)
+            if done:
+                del self.active[job_id]
+                self.runner.finish(act)
+
+    def step_schedule(self) -> None:
+        paused = self.store.get_meta("queue_paused")
+        if paused:
+            return
+        now = self.clock()
+        runnable = [j for j in self.store.jobs({JobState.QUEUED, JobState.INTERRUPTED, JobState.WAITING_RETRY})
+                    if j.id not in self.active and (j.not_before is None or j.not_before <= now)]
+        runnable.sort(key=lambda j: (-j.priority, j.id))
+        for job in runnable:
+            if len(self.active) >= self.cfg.max_parallel:
+                break
+            if not self._gpus_free(job):
+                continue
+            act = self.runner.start(job)
+            if act is not None:
+                self.active[job.id] = act
+
+    def _gpus_free(self, job: JobRow) -> bool:
+        want = self.runner.gpus_of(job.id)
+        for act in self.active.values():
+            have = act.gpus
+            if want is None or have is None or set(want) & set(have):
+                return False
+        return True
+
+    # --- crash recovery ----------------------------------------------------------------
+    def recover(self) -> None:
+        for job in self.store.jobs({JobState.RUNNING}):
+            try:
+                act = self.runner.recover(job, adopt=self.cfg.on_restart == "adopt")
+            except Exception:
+                log.exception("recover_failed", job=job.id)
+                continue
+            if act is not None:
+                self.active[job.id] = act
+
+
+def find_shim_by_launch_file(launch_file: Path) -> psutil.Process | None:
+    """Fallback identity when a crash hit between launch and recording the pid."""
+    target = str(launch_file)
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if "supervisor.shim" in cmd and target in cmd:
+            return p
+    return None

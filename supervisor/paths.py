@@ -1,0 +1,84 @@
+"""Every file name the supervisor uses, derived in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SpoolPaths:
+    root: Path
+
+    @property
+    def incoming(self) -> Path:
+        return self.root / "incoming"
+
+    @property
+    def rejected(self) -> Path:
+        return self.root / "rejected"
+
+    def ensure(self) -> None:
+        for d in (self.incoming, self.rejected):
+            d.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class StatePaths:
+    root: Path
+
+    @property
+    def db(self) -> Path:
+        return self.root / "state.sqlite3"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "daemon.lock"
+
+    @property
+    def jobs(self) -> Path:
+        return self.root / "jobs"
+
+    def job(self, job_id: int) -> JobPaths:
+        return JobPaths(self.jobs / str(job_id))
+
+    def ensure(self) -> None:
+        self.jobs.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    root: Path
+
+    @property
+    def job_file(self) -> Path:
+        return self.root / "job.yaml"
+
+    def attempt(self, n: int) -> AttemptPaths:
+        return AttemptPaths(self.root / f"attempt-{n}")
+
+
+@dataclass(frozen=True)
+class AttemptPaths:
+    root: Path
+
+    @property
+    def log(self) -> Path:
+        return self.root / "output.log"
+
+    @property
+    def exit_record(self) -> Path:
+        return self.root / "exit.json"
+
+    @property
+    def launch(self) -> Path:
+        """argv, cwd, env and limits the shim runs with (written before launch)."""
+        return self.root / "launch.json"
+
+    @property
+    def environment(self) -> Path:
+        return self.root / "environment.json"
+
+    @property
+    def diagnosis(self) -> Path:
+        return self.root / "diagnosis.json"
