@@ -1,0 +1,391 @@
+"""`oom-supervisor` command line.
+
+Exit codes: 0 ok, 1 failure (e.g. the job failed, the daemon could not run),
+2 usage or bad input (a refused job file, an unknown job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", type=Path, help="state folder (env OOM_SUPERVISOR_STATE_DIR)")
+    p.add_argument("--spool-dir", type=Path, help="spool folder (env OOM_SUPERVISOR_SPOOL_DIR)")
+    p.add_argument("--config", type=Path, help="daemon config file (env OOM_SUPERVISOR_CONFIG)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oom-supervisor",
+        description="Run fine-tuning jobs unattended: diagnose OOMs and other failures, remedy, resume.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("daemon", help="run the supervisor in the foreground (what systemd runs)")
+    _common(p)
+    p.add_argument("--json-logs", action="store_true", default=None, help="JSON log lines even on a TTY")
+
+    p = sub.add_parser("submit", help="validate a job file and put it in the spool")
+    _common(p)
+    p.add_argument("file", type=Path)
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to SECONDS for the daemon to accept it and print the job id")
+
+    p = sub.add_parser("status", help="one line per job")
+    _common(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("show", help="a job's full timeline: attempts, exits, diagnoses, decisions")
+    _common(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("logs", help="print an attempt's log")
+    _common(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--attempt", type=int, help="attempt number (default: the latest)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep following until the job ends")
+
+    p = sub.add_parser("watch", help="a live view of one job until it ends")
+    _common(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--interval", type=float, default=1.0)
+
+    for name, helptext in (("cancel", "cancel a job (stops its attempt if running)"),
+                           ("retry", "queue a failed, cancelled or waiting job again now")):
+        p = sub.add_parser(name, help=helptext)
+        _common(p)
+        p.add_argument("job", type=int)
+
+    p = sub.add_parser("unpause", help="resume scheduling after the queue was paused (e.g. disk full)")
+    _common(p)
+
+    p = sub.add_parser("explain", help="diagnose any log file")
+    from .diagnosis import explain
+
+    explain.configure(p)
+
+    p = sub.add_parser("plan", help="show the remedy ladder a job would climb, without running it")
+    _common(p)
+    from .policy import plan
+
+    plan.configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return EXIT_FAIL
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+def _config(args: argparse.Namespace):
+    from .config import ConfigError, load_config
+
+    try:
+        return load_config(getattr(args, "config", None), state_dir=getattr(args, "state_dir", None),
+                           spool_dir=getattr(args, "spool_dir", None))
+    except ConfigError as exc:
+        print(f"oom-supervisor: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def _store(cfg, *, must_exist: bool = True):
+    from .store import Store
+
+    if must_exist and not cfg.state.db.exists():
+        print(f"oom-supervisor: no state at {cfg.state.root} (has the daemon run with this --state-dir?)",
+              file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+    return Store(cfg.state.db)
+
+
+# --- commands ----------------------------------------------------------------------------
+
+def cmd_daemon(args) -> int:
+    from .daemon import Daemon, DaemonLocked
+    from .logsetup import configure
+
+    configure(json=True if args.json_logs else None)
+    cfg = _config(args)
+    try:
+        return Daemon(cfg).run()
+    except DaemonLocked as exc:
+        print(f"oom-supervisor: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+
+
+def cmd_submit(args) -> int:
+    from .jobspec import JobFileError
+    from .spool import submit
+
+    cfg = _config(args)
+    path: Path = args.file
+    try:
+        if path.is_symlink():
+            path = path.resolve()
+        if not path.is_file():
+            print(f"oom-supervisor: {args.file}: not a regular file", file=sys.stderr)
+            return EXIT_USAGE
+        if path.stat().st_size > cfg.max_job_file_bytes:
+            print(f"oom-supervisor: {args.file}: larger than {cfg.max_job_file_bytes} bytes", file=sys.stderr)
+            return EXIT_USAGE
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"oom-supervisor: {args.file}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        dest = submit(cfg.spool, text, name=path.name, cwd=Path.cwd())
+    except JobFileError as err:
+        print(err.report(), file=sys.stderr)
+        return EXIT_USAGE
+    print(f"submitted {args.file} as {dest}")
+    if args.wait > 0:
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            if cfg.state.db.exists():
+                store = _store(cfg)
+                row = store.conn.execute("SELECT id FROM jobs WHERE source=?", (dest.name,)).fetchone()
+                store.close()
+                if row:
+                    print(f"job {row[0]}")
+                    return EXIT_OK
+            rejected = cfg.spool.rejected / (dest.name + ".error.txt")
+            if rejected.exists():
+                print(rejected.read_text(), file=sys.stderr)
+                return EXIT_USAGE
+            time.sleep(0.2)
+        print("oom-supervisor: the daemon has not picked it up yet (is it running?)", file=sys.stderr)
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def job_summary(store, job) -> dict[str, Any]:
+    attempts = store.attempts(job.id)
+    last = attempts[-1] if attempts else None
+    progress = None
+    if last and last.max_step is not None:
+        progress = f"step {last.max_step}" + (f"/{last.total_steps}" if last.total_steps else "")
+    diag = last.json("diagnosis") if last else None
+    return {
+        "id": job.id, "name": job.name, "state": str(job.state), "attempts": len(attempts),
+        "kind": job.kind, "priority": job.priority,
+        "remedy": (last.remedy if last else None),
+        "next_remedy": (json.loads(job.next_overrides).get("rungs") if job.next_overrides else None),
+        "progress": progress,
+        "last_diagnosis": diag.get("category") if diag else None,
+        "reason": job.reason, "submitted_at": job.submitted_at, "updated_at": job.updated_at,
+        "not_before": job.not_before,
+    }
+
+
+def cmd_status(args) -> int:
+    cfg = _config(args)
+    if not cfg.state.db.exists():
+        print("[]" if args.json else "no jobs yet")
+        return EXIT_OK
+    store = _store(cfg)
+    rows = [job_summary(store, j) for j in store.jobs()]
+    paused = store.get_meta("queue_paused")
+    store.close()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for col in ("ID", "NAME", "STATE", "ATT", "REMEDY", "PROGRESS", "LAST", "WHY"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(str(r["id"]), r["name"], r["state"], str(r["attempts"]), r["remedy"] or "-",
+                      r["progress"] or "-", r["last_diagnosis"] or "-", (r["reason"] or "")[:90])
+    console = Console()
+    if paused:
+        console.print(f"[bold red]queue paused[/]: {paused} (fix it, then `oom-supervisor unpause`)")
+    console.print(table if rows else "no jobs yet")
+    return EXIT_OK
+
+
+def _job_or_exit(store, job_id: int):
+    job = store.job(job_id)
+    if job is None:
+        print(f"oom-supervisor: no job {job_id}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+    return job
+
+
+def job_timeline(store, job_id: int) -> dict[str, Any]:
+    job = store.job(job_id)
+    attempts = []
+    for a in store.attempts(job_id):
+        attempts.append({
+            "number": a.number, "started_at": a.started_at, "ended_at": a.ended_at,
+            "duration_s": (a.ended_at - a.started_at) if a.ended_at else None,
+            "remedy": a.remedy, "overrides": a.json("overrides"),
+            "resumed_from": a.resumed_from, "resumed_from_step": a.resumed_from_step,
+            "max_step": a.max_step, "total_steps": a.total_steps,
+            "checkpoint_step_after": a.checkpoint_step_after, "steps_lost": a.steps_lost,
+            "peak_host_memory_bytes": a.peak_rss_bytes, "steps_per_s": a.steps_per_s,
+            "tokens_per_s": a.tokens_per_s, "exit": a.json("exit"), "diagnosis": a.json("diagnosis"),
+            "decision": a.json("decision"), "interrupted": bool(a.interrupted),
+            "detected_at": a.detected_at,
+        })
+    events = [{"ts": e.ts, "attempt": e.attempt, "kind": e.kind, "message": e.message,
+               "data": json.loads(e.data) if e.data else None} for e in store.events(job_id)]
+    return {**job_summary(store, job), "workdir": job.workdir, "source": job.source,
+            "attempt_list": attempts, "events": events}
+
+
+def cmd_show(args) -> int:
+    cfg = _config(args)
+    store = _store(cfg)
+    _job_or_exit(store, args.job)
+    data = job_timeline(store, args.job)
+    store.close()
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+        return EXIT_OK
+    from .render_show import print_timeline
+
+    print_timeline(data)
+    return EXIT_OK
+
+
+def cmd_logs(args) -> int:
+    cfg = _config(args)
+    store = _store(cfg)
+    job = _job_or_exit(store, args.job)
+    last = store.last_attempt(args.job)
+    number = args.attempt or (last.number if last else None)
+    if number is None:
+        print(f"oom-supervisor: job {args.job} has no attempts yet", file=sys.stderr)
+        return EXIT_USAGE
+    path = cfg.state.job(args.job).attempt(number).log
+    if not path.exists():
+        print(f"oom-supervisor: no log for job {args.job} attempt {number}", file=sys.stderr)
+        return EXIT_USAGE
+    out = sys.stdout.buffer
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 16)
+            if chunk:
+                out.write(chunk)
+                out.flush()
+                continue
+            if not args.follow:
+                break
+            job = store.job(args.job)
+            latest = store.last_attempt(args.job)
+            if job.state.terminal or (latest and latest.number != number and not args.attempt):
+                if latest and latest.number != number and not job.state.terminal:
+                    number = latest.number
+                    f.close()
+                    return _follow_next(args, store, cfg, number)
+                break
+            time.sleep(0.5)
+    store.close()
+    return EXIT_OK
+
+
+def _follow_next(args, store, cfg, number):
+    store.close()
+    print(f"\n--- attempt {number} ---", flush=True)
+    ns = argparse.Namespace(**{**vars(args), "attempt": None})
+    return cmd_logs(ns)
+
+
+def cmd_watch(args) -> int:
+    from .render_show import watch
+
+    cfg = _config(args)
+    store = _store(cfg)
+    _job_or_exit(store, args.job)
+    store.close()
+    return watch(cfg, args.job, interval=args.interval)
+
+
+def cmd_cancel(args) -> int:
+    from .states import JobState
+
+    cfg = _config(args)
+    store = _store(cfg)
+    with store.tx():
+        job = _job_or_exit(store, args.job)
+        if job.state.terminal:
+            print(f"job {job.id} is already {job.state}")
+            return EXIT_OK if job.state == JobState.CANCELLED else EXIT_USAGE
+        if job.state == JobState.RUNNING:
+            store.update_job(job.id, cancel_requested=1)
+            store.event(job.id, "cancel_requested", "cancel requested by the user; the daemon stops the attempt")
+            print(f"job {job.id}: cancel requested; the daemon stops its attempt")
+            return EXIT_OK
+        store.transition(job.id, JobState.CANCELLED, "cancelled by the user")
+    print(f"job {job.id}: cancelled")
+    return EXIT_OK
+
+
+def cmd_retry(args) -> int:
+    from .states import JobState
+
+    cfg = _config(args)
+    store = _store(cfg)
+    with store.tx():
+        job = _job_or_exit(store, args.job)
+        if job.state in (JobState.RUNNING, JobState.QUEUED, JobState.SUCCEEDED):
+            print(f"oom-supervisor: job {job.id} is {job.state}; only failed, cancelled, interrupted or "
+                  "waiting jobs can be retried", file=sys.stderr)
+            return EXIT_USAGE
+        store.transition(job.id, JobState.QUEUED, "retry requested by the user", not_before=None,
+                         cancel_requested=0)
+    print(f"job {job.id}: queued again (it resumes from its last complete checkpoint)")
+    return EXIT_OK
+
+
+def cmd_unpause(args) -> int:
+    cfg = _config(args)
+    store = _store(cfg)
+    reason = store.get_meta("queue_paused")
+    if not reason:
+        print("the queue is not paused")
+        return EXIT_OK
+    with store.tx() as c:
+        c.execute("DELETE FROM meta WHERE key='queue_paused'")
+        store.event(None, "queue_unpaused", f"unpaused by the user (was: {reason})")
+    print(f"queue unpaused (was: {reason})")
+    return EXIT_OK
+
+
+def cmd_explain(args) -> int:
+    from .diagnosis import explain
+
+    return explain.run(args)
+
+
+def cmd_plan(args) -> int:
+    from .policy import plan
+
+    return plan.run(args)
+
+
+COMMANDS = {
+    "daemon": cmd_daemon, "submit": cmd_submit, "status": cmd_status, "show": cmd_show,
+    "logs": cmd_logs, "watch": cmd_watch, "cancel": cmd_cancel, "retry": cmd_retry,
+    "unpause": cmd_unpause, "explain": cmd_explain, "plan": cmd_plan,
+}
+
+if __name__ == "__main__":
+    sys.exit(main())

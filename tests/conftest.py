@@ -1,0 +1,138 @@
+"""Shared fixtures: isolated state/spool folders and a real daemon process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+FAKEJOB = REPO / "tests" / "jobs" / "fakejob.py"
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    state, spool, work = tmp_path / "state", tmp_path / "spool", tmp_path / "work"
+    work.mkdir()
+    return state, spool, work
+
+
+def write_config(path: Path, **overrides) -> Path:
+    cfg = {"poll_interval": 0.1, "settle_time": 0.0, "stop_grace": 3, "fatal_grace": 0.5,
+           "cgroups": "off", **overrides}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def command_job(work: Path, argv: list[str], **sup) -> str:
+    return yaml.safe_dump({"supervisor": {"command": argv, "workdir": str(work), **sup}})
+
+
+def fakejob(*args: str) -> list[str]:
+    return [sys.executable, str(FAKEJOB), *args]
+
+
+class DaemonProc:
+    """The real `oom-supervisor daemon`, as systemd would run it."""
+
+    def __init__(self, state: Path, spool: Path, config: Path, log: Path) -> None:
+        self.state, self.spool, self.config, self.log_path = state, spool, config, log
+        self.proc: subprocess.Popen | None = None
+
+    def cli_args(self) -> list[str]:
+        return ["--state-dir", str(self.state), "--spool-dir", str(self.spool), "--config", str(self.config)]
+
+    def start(self) -> DaemonProc:
+        self.logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "daemon", "--json-logs",
+                                      *self.cli_args()], stdout=self.logf, stderr=subprocess.STDOUT,
+                                     cwd=REPO)
+        return self
+
+    def cli(self, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "supervisor.cli", args[0], *self.cli_args(), *args[1:]]
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+        if check and res.returncode != 0:
+            raise AssertionError(f"{cmd} -> {res.returncode}\n{res.stdout}\n{res.stderr}")
+        return res
+
+    def status(self) -> list[dict]:
+        return json.loads(self.cli("status", "--json", check=True).stdout)
+
+    def show(self, job: int) -> dict:
+        return json.loads(self.cli("show", str(job), "--json", check=True).stdout)
+
+    def wait_for(self, pred, timeout: float = 60, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                last = pred()
+                if last:
+                    return last
+            except (FileNotFoundError, json.JSONDecodeError, AssertionError):
+                pass
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; last={last}\n{self.log_path.read_text()[-3000:]}")
+
+    def job_state(self, job: int) -> str | None:
+        for j in self.status():
+            if j["id"] == job:
+                return j["state"]
+        return None
+
+    def wait_state(self, job: int, states, timeout: float = 60) -> str:
+        states = {states} if isinstance(states, str) else set(states)
+        return self.wait_for(lambda: (s := self.job_state(job)) in states and s, timeout, f"job {job} in {states}")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=timeout)
+        self.logf.close()
+        return rc
+
+    def kill9(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.logf.close()
+
+
+@pytest.fixture
+def daemon(dirs, tmp_path):
+    state, spool, _ = dirs
+    d = DaemonProc(state, spool, write_config(tmp_path / "config.yaml"), tmp_path / "daemon.log")
+    yield d
+    d.stop(signal.SIGKILL) if d.proc and d.proc.poll() is None else None
+
+
+def drop(spool: Path, name: str, text: str) -> Path:
+    """A raw drop, as `cp` would do it (through a temp name so it is never half-read)."""
+    inc = spool / "incoming"
+    inc.mkdir(parents=True, exist_ok=True)
+    tmp = inc / f".{name}.tmp"
+    tmp.write_text(text)
+    os.rename(tmp, inc / name)
+    return inc / name
+
+
+def pids_with_marker(marker: str) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if any(marker in c for c in (p.info["cmdline"] or [])):
+                out.append(p.pid)
+        except psutil.Error:
+            pass
+    return out

@@ -1,0 +1,71 @@
+import sqlite3
+
+import pytest
+
+from supervisor.states import TERMINAL, TRANSITIONS, IllegalTransition, JobState
+from supervisor.store import SCHEMA_VERSION, SchemaTooNew, Store
+
+
+def make(tmp_path):
+    return Store(tmp_path / "s.sqlite3")
+
+
+def test_public_state_names_are_stable():
+    assert [s.value for s in JobState] == ["queued", "running", "waiting_retry", "interrupted",
+                                          "succeeded", "failed", "cancelled"]
+    assert {s.value for s in TERMINAL} == {"succeeded", "failed", "cancelled"}
+    assert set(TRANSITIONS) == set(JobState)
+
+
+def test_transition_checks_table_and_records_event(tmp_path):
+    st = make(tmp_path)
+    j = st.add_job(name="a", kind="command", priority=0, policy=None, workdir="/", source="x", spool_key="k")
+    st.transition(j, JobState.RUNNING, "attempt 1 started")
+    with pytest.raises(IllegalTransition, match="running -> queued is not allowed"):
+        st.transition(j, JobState.QUEUED, "nope")
+    st.transition(j, JobState.SUCCEEDED, "done")
+    with pytest.raises(IllegalTransition, match="terminal"):
+        st.transition(j, JobState.RUNNING, "again")
+    kinds = [(e.kind, e.message) for e in st.events(j)]
+    assert kinds[0][0] == "state" and "queued" in kinds[0][1]
+    assert ("state", "queued -> running: attempt 1 started") in kinds
+    assert ("state", "running -> succeeded: done") in kinds
+    assert st.job(j).state == JobState.SUCCEEDED
+
+
+def test_failed_transition_leaves_no_trace(tmp_path):
+    st = make(tmp_path)
+    j = st.add_job(name="a", kind="command", priority=0, policy=None, workdir="/", source=None, spool_key=None)
+    n = len(st.events(j))
+    with pytest.raises(IllegalTransition):
+        st.transition(j, JobState.SUCCEEDED, "skip running")
+    assert len(st.events(j)) == n and st.job(j).state == JobState.QUEUED
+
+
+def test_durability_pragmas_and_schema_version(tmp_path):
+    st = make(tmp_path)
+    assert st.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert st.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    assert st.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    st.close()
+    Store(tmp_path / "s.sqlite3").close()  # reopening migrates nothing and keeps the data
+
+
+def test_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "s.sqlite3"
+    Store(path).close()
+    c = sqlite3.connect(path)
+    c.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    c.commit()
+    c.close()
+    with pytest.raises(SchemaTooNew, match="Upgrade oom-supervisor"):
+        Store(path)
+
+
+def test_nested_transaction_rolls_back_whole(tmp_path):
+    st = make(tmp_path)
+    with pytest.raises(RuntimeError):
+        with st.tx():
+            st.add_job(name="a", kind="command", priority=0, policy=None, workdir="/", source=None, spool_key=None)
+            raise RuntimeError("crash before commit")
+    assert st.jobs() == []
