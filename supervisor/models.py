@@ -250,6 +250,9 @@ class JobContext:
     torch_version: str | None = None
     transformers_version: str | None = None
     uses_vllm: bool = False
+    # The user's DeepSpeed config, read at the edge when `deepspeed:` is a path (the policy
+    # needs its ZeRO stage and offload to judge remedies and checkpoint compatibility).
+    deepspeed_config: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
