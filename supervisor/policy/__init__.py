@@ -1,0 +1,12 @@
+"""The escalation policy: choose the next attempt's configuration, render it.
+
+Pure modules: schema (parsing aside), rungs, decide, render, estimate (except
+`read_model_shape`), allocator. `plan` is the CLI edge.
+"""
+
+from .decide import backoff_delay, decide
+from .render import RenderedAttempt, render_attempt
+from .schema import BUILTIN_POLICY_DIR, Policy, PolicyError, load_policy, parse_policy_text
+
+__all__ = ["BUILTIN_POLICY_DIR", "Policy", "PolicyError", "RenderedAttempt", "backoff_delay", "decide",
+           "load_policy", "parse_policy_text", "render_attempt"]

@@ -1,0 +1,288 @@
+"""decide(): one pure function from (job, history, diagnosis, policy) to a Decision.
+
+The order of remedies comes from the policy's ladder, reshaped by what the
+diagnosis says: where the OOM happened (model load, evaluation, resume), what
+kind it was (fragmentation, outside the caching allocator, host RAM) and how
+large the shortfall is. A configuration that already failed with an OOM is
+never tried again; budgets are counted per cause from the history.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tenacity import RetryCallState, wait_exponential
+
+from ..models import (
+    AttemptRecord,
+    Category,
+    Change,
+    Decision,
+    DecisionKind,
+    Diagnosis,
+    JobContext,
+    Overrides,
+    Phase,
+)
+from . import rungs as R
+from .estimate import model_states
+from .schema import ENV_ONLY_RUNGS, Policy
+
+GiB = 1 << 30
+OOM = frozenset({Category.GPU_OOM, Category.HOST_OOM})
+TRANSIENT = frozenset({Category.COMM_FAILURE, Category.HANG, Category.CRASH_OTHER, Category.UNKNOWN})
+
+_RUNGS: dict[str, Callable[..., Any]] = {
+    "allocator": R.allocator, "memory_fraction": R.memory_fraction, "micro_batch": R.micro_batch,
+    "eval_batch": R.eval_batch, "grad_checkpointing": R.grad_checkpointing,
+    "zero3_offload_optimizer": R.zero3_offload_optimizer, "zero3_offload_param": R.zero3_offload_param,
+    "cutoff_len": R.cutoff_len,
+}
+_OFFLOAD = ("zero3_offload_optimizer", "zero3_offload_param")
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def backoff_delay(policy: Policy, retry_number: int, job_id: int) -> float:
+    """tenacity's exponential wait for the n-th retry (1-based) plus a jitter drawn
+    from a generator seeded by (job, n): the same inputs always give the same delay."""
+    b = policy.backoff
+    state = RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
+    state.attempt_number = max(1, retry_number)
+    base = wait_exponential(multiplier=b.initial_s, max=b.max_s, exp_base=b.exp_base)(state)
+    jitter = random.Random(f"{job_id}:{retry_number}").uniform(0, b.jitter_s)
+    return round(min(b.max_s, base + jitter), 3)
+
+
+def memory_picture(job: JobContext, ov: Overrides, diag: Diagnosis) -> R.Memory:
+    """Split the failed attempt's demand into model states and activations, where numbers allow."""
+    n = diag.numbers
+    capacity = n.get("total_capacity") or job.gpu_capacity_bytes
+    tried, free = n.get("tried_to_allocate"), n.get("free")
+    shortfall = n.get("shortfall")
+    if shortfall is None and tried is not None and free is not None:
+        shortfall = max(0, tried - free)
+    in_use = None
+    if capacity is not None and free is not None:
+        in_use = capacity - free
+    elif n.get("allocated_by_pytorch") is not None:
+        in_use = n["allocated_by_pytorch"] + (n.get("reserved_unallocated") or 0)
+    demand = in_use + tried if in_use is not None and tried is not None else None
+    ms = act = None
+    if job.param_count:
+        v = R.view_of(job, ov)
+        lil = job.largest_layer_params or job.param_count // 40
+        ms, _ = model_states(job.param_count, lil, max(1, job.world_size), v.setup)
+        if demand is not None and diag.phase not in (Phase.MODEL_LOAD, Phase.RESUME):
+            act = max(0, demand - ms)
+    return R.Memory(shortfall=shortfall, capacity=capacity, demand=demand, model_states=ms,
+                    activations=act, reserved_unallocated=n.get("reserved_unallocated"))
+
+
+def _order(job: JobContext, diag: Diagnosis, policy: Policy, ov: Overrides) -> list[str]:
+    ladder = list(policy.ladder)
+    if diag.category == Category.HOST_OOM:
+        first = ["micro_batch", "grad_checkpointing", "cutoff_len"]
+        order = [r for r in first if r in ladder] + [r for r in ladder if r not in first and r not in _OFFLOAD
+                                                      and r not in ("allocator", "memory_fraction")]
+    elif diag.phase == Phase.EVALUATION:
+        first = ["eval_batch", "allocator", "memory_fraction"]
+        order = [r for r in first if r in ladder] + [r for r in ladder if r in _OFFLOAD]
+    elif diag.phase == Phase.RESUME:
+        order = [r for r in ("zero3_offload_optimizer", "allocator", "memory_fraction") if r in ladder]
+    elif diag.phase == Phase.MODEL_LOAD:
+        first = [*(["zero3_offload_optimizer"] if job.world_size > 1 else []), "zero3_offload_param"]
+        order = [r for r in first if r in ladder] + [r for r in ("memory_fraction", "allocator") if r in ladder]
+    else:
+        order = list(ladder)
+        if diag.subkind in R.NON_CACHING_SUBKINDS and "memory_fraction" in order:
+            order.remove("memory_fraction")
+            order.insert(0, "memory_fraction")
+        elif diag.fragmentation and "allocator" in order:
+            order.remove("allocator")
+            order.insert(0, "allocator")
+        if diag.subkind not in R.NON_CACHING_SUBKINDS and "memory_fraction" in order:
+            # A cap gives PyTorch less, never more: last resort for caching-allocator OOMs.
+            order.remove("memory_fraction")
+            order.append("memory_fraction")
+        order = [r for r in order if r != "eval_batch"]
+    if job.kind != "llamafactory":
+        order = [r for r in order if r in ENV_ONLY_RUNGS]
+    return order
+
+
+def _changes(old: Overrides, new: Overrides, why: str) -> tuple[Change, ...]:
+    out: list[Change] = []
+    for k, v in new.yaml.items():
+        if old.yaml.get(k, ...) != v:
+            out.append(Change("yaml", k, old.yaml.get(k), v, why))
+    for k, v in new.env.items():
+        if old.env.get(k) != v:
+            out.append(Change("env", k, old.env.get(k), v, why))
+    if new.deepspeed != old.deepspeed:
+        out.append(Change("deepspeed", "(generated ds_config.json)", old.deepspeed, new.deepspeed, why))
+    return tuple(out)
+
+
+def _escalate(ov: Overrides, applied: R.Applied, rung: str, reason: str) -> Decision:
+    return Decision(DecisionKind.ESCALATE, reason, rung=rung, overrides=applied.overrides,
+                    changes=_changes(ov, applied.overrides, applied.what))
+
+
+def _no_progress_run(history: Sequence[AttemptRecord]) -> int:
+    """Consecutive attempts at the end of the history that left no newer complete checkpoint."""
+    best = -1
+    flags = []
+    for a in history:
+        step = a.checkpoint_step_after if a.checkpoint_step_after is not None else -1
+        flags.append(step <= best)
+        best = max(best, step)
+    run = 0
+    for f in reversed(flags):
+        if not f:
+            break
+        run += 1
+    return run
+
+
+def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis,
+           policy: Policy) -> Decision:
+    """What to do after an attempt ended. `history[-1]` is that attempt."""
+    cat = diagnosis.category
+    current = history[-1].overrides if history else Overrides()
+    if cat == Category.SUCCESS:
+        return Decision(DecisionKind.DONE, "training finished", overrides=current)
+    if cat == Category.CONFIG_ERROR:
+        return Decision(DecisionKind.FAIL, f"configuration error, no retry can fix it: {diagnosis.summary}")
+    if cat == Category.DISK_FULL:
+        return Decision(DecisionKind.PAUSE, f"disk full: the queue pauses until space is freed "
+                                            f"({diagnosis.summary})", overrides=current)
+    limit = min(policy.budgets.max_attempts, job.max_attempts)
+    if len(history) >= limit:
+        return Decision(DecisionKind.FAIL, f"attempt budget spent ({len(history)} of {limit}); "
+                                           f"last failure: {cat}: {diagnosis.summary}")
+    stalled = _no_progress_run(history)
+    if stalled >= policy.budgets.no_progress_attempts:
+        return Decision(DecisionKind.FAIL, f"{stalled} attempts in a row made no checkpoint progress "
+                                           f"(budget {policy.budgets.no_progress_attempts}); last: {diagnosis.summary}")
+    count = sum(1 for a in history if a.diagnosis is not None and a.diagnosis.category == cat)
+    if cat == Category.NUMERIC:
+        if policy.retry_numeric and count <= policy.budgets.numeric_retries:
+            return _retry(job, current, policy, count, f"numeric failure, retry {count} allowed by the policy")
+        return Decision(DecisionKind.FAIL, f"numeric failure ({diagnosis.summary}): lower the learning rate, "
+                                           "check the data for empty or extreme samples, prefer bf16 over fp16")
+    if cat == Category.DEVICE_FAULT:
+        if count <= policy.budgets.device_fault_retries:
+            return _retry(job, current, policy, count, f"device fault, retry {count} of "
+                                                       f"{policy.budgets.device_fault_retries}")
+        return Decision(DecisionKind.FAIL, f"device fault again ({diagnosis.summary}): check the GPU "
+                                           "(dmesg, rocm-smi / nvidia-smi) before resubmitting")
+    if cat in TRANSIENT:
+        n = sum(1 for a in history if a.diagnosis is not None and a.diagnosis.category in TRANSIENT)
+        if n <= policy.budgets.transient_retries:
+            return _retry(job, current, policy, n, f"{cat} ({diagnosis.summary}): same configuration again, "
+                                                   f"retry {n} of {policy.budgets.transient_retries}")
+        return Decision(DecisionKind.FAIL, f"{cat} persisted over {n} attempts "
+                                           f"(budget {policy.budgets.transient_retries}): {diagnosis.summary}")
+    if cat in OOM:
+        return _decide_oom(job, history, diagnosis, policy, current)
+    return Decision(DecisionKind.FAIL, f"no rule for {cat}: {diagnosis.summary}")
+
+
+def _retry(job: JobContext, current: Overrides, policy: Policy, n: int, reason: str) -> Decision:
+    delay = backoff_delay(policy, n, job.id)
+    return Decision(DecisionKind.RETRY, f"{reason}; waiting {delay:.0f} s", delay_s=delay, overrides=current)
+
+
+def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnosis, policy: Policy,
+                current: Overrides) -> Decision:
+    ooms = sum(1 for a in history if a.diagnosis is not None and a.diagnosis.category in OOM)
+    if ooms > policy.budgets.oom_escalations:
+        return Decision(DecisionKind.FAIL, f"out of memory {ooms} times; the OOM escalation budget "
+                                           f"({policy.budgets.oom_escalations}) is spent: {diag.summary}")
+    failed = {a.overrides.fingerprint() for a in history
+              if a.diagnosis is not None and a.diagnosis.category in OOM}
+    failed.add(current.fingerprint())
+    has_checkpoint = any(a.checkpoint_step_after is not None for a in history)
+    mem = memory_picture(job, current, diag)
+    v = R.view_of(job, current)
+    where = f"{diag.category} in {diag.phase}"
+    short = f", short by {_gib(mem.shortfall)}" if mem.shortfall is not None else ""
+
+    if diag.category == Category.HOST_OOM and v.setup.offload_param:
+        return _step_back_from_param_offload(job, current, diag, policy, failed, has_checkpoint)
+
+    skipped: list[str] = []
+    partial: list[tuple[int, str, R.Applied]] = []
+    for name in _order(job, diag, policy, current):
+        fn = _RUNGS[name]
+        kwargs: dict[str, Any] = {}
+        if name == "micro_batch":
+            kwargs = {"resuming": has_checkpoint, "margin": policy.shortfall_margin}
+        elif name in _OFFLOAD:
+            kwargs = {"has_checkpoint": has_checkpoint}
+        elif name == "grad_checkpointing":
+            kwargs = {"host_pressure": diag.category == Category.HOST_OOM}
+        result = fn(job, current, diag, policy, mem, **kwargs)
+        if isinstance(result, R.Skipped):
+            skipped.append(f"{name}: {result.why}")
+            continue
+        if result.overrides.fingerprint() in failed:
+            skipped.append(f"{name}: that configuration already failed with an OOM")
+            continue
+        if (diag.category == Category.GPU_OOM and mem.shortfall is not None and result.frees is not None
+                and result.frees < mem.shortfall * policy.shortfall_margin):
+            skipped.append(f"{name}: frees ~{_gib(result.frees)}, cannot close {_gib(mem.shortfall)}")
+            if result.frees > 0:
+                partial.append((result.frees, name, result))
+            continue
+        reason = f"{where}{short}; {name}: {result.what}"
+        if skipped:
+            reason += " [skipped: " + "; ".join(skipped) + "]"
+        return _escalate(current, result, name, reason)
+    if partial:
+        frees, name, result = max(partial, key=lambda t: t[0])
+        reason = (f"{where}{short}; no single remedy closes it, taking the one that frees most: "
+                  f"{name} (~{_gib(frees)}): {result.what} [skipped: " + "; ".join(skipped) + "]")
+        return _escalate(current, result, name, reason)
+    extra = ""
+    if diag.category == Category.HOST_OOM and job.param_count:
+        extra = _host_ram_note(job, v.setup)
+    return Decision(DecisionKind.FAIL, f"{where}{short}: no remedy left in policy {policy.name!r}"
+                                       f"{extra} [" + "; ".join(skipped) + "]")
+
+
+def _host_ram_note(job: JobContext, setup: Any) -> str:
+    lil = job.largest_layer_params or (job.param_count or 0) // 40
+    _, host = model_states(job.param_count or 0, lil, max(1, job.world_size), setup)
+    have = f" of the {_gib(job.host_ram_bytes)} this box has" if job.host_ram_bytes else ""
+    return f"; model states alone need ~{_gib(host)} host RAM{have}" if host else ""
+
+
+def _step_back_from_param_offload(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy,
+                                  failed: set[str], has_checkpoint: bool) -> Decision:
+    """Host RAM ran out with parameters offloaded: keep only the optimizer offload."""
+    from .estimate import Setup
+
+    v = R.view_of(job, current)
+    need = _host_ram_note(job, v.setup)
+    cfg = v.config
+    from ..deepspeed_config import zero3_offload_config
+
+    ds = zero3_offload_config(offload_param=False, bf16=cfg.get("bf16") if "bf16" in cfg else None,
+                              fp16=cfg.get("fp16") if "fp16" in cfg else None)
+    what = ("parameters back on the GPU (ZeRO-3 keeps only the optimizer state in host RAM)"
+            + (f"; host RAM for that ~{_gib(model_states(job.param_count, job.largest_layer_params or job.param_count // 40, max(1, job.world_size), Setup(3, True, False, v.setup.trainable_fraction))[1])}"
+               if job.param_count else ""))
+    new = R.with_changes(current, "zero3_offload_optimizer", what, deepspeed=ds)
+    if new.fingerprint() in failed:
+        return Decision(DecisionKind.FAIL, f"host RAM ran out with parameter offload{need}, and "
+                                           "optimizer-only offload already failed with an OOM: "
+                                           "the box needs more RAM (or fewer jobs at once)")
+    reason = f"host OOM with parameter offload{need}; stepping back: {what}"
+    return Decision(DecisionKind.ESCALATE, reason, rung="zero3_offload_optimizer", overrides=new,
+                    changes=_changes(current, new, what))
