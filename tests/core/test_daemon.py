@@ -1,0 +1,209 @@
+"""The real daemon process, driven through the spool and the CLI, with real job processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ..conftest import REPO, DaemonProc, command_job, drop, fakejob, pids_with_marker, write_config
+
+CUDA_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+            "capacity of 79.15 GiB of which 1.02 GiB is free. Process 4242 has 78.12 GiB memory in use. Of the "
+            "allocated memory 75.10 GiB is allocated by PyTorch, and 1.50 GiB is reserved by PyTorch but "
+            "unallocated.")
+
+
+def marker(tmp_path) -> str:
+    """A unique argv token so a test can find every process of its job."""
+    return f"--lock={tmp_path}/job.lock"
+
+
+def job(tmp_path, *args, **sup):
+    return command_job(tmp_path / "work", fakejob(marker(tmp_path), *args), **sup)
+
+
+def no_job_processes(tmp_path) -> bool:
+    return pids_with_marker(marker(tmp_path)) == []
+
+
+def test_job_runs_to_success_and_leaves_nothing(daemon, tmp_path):
+    daemon.start()
+    drop(daemon.spool, "ok.yaml", job(tmp_path, "--steps", "3", "--sleep", "0.05", name="ok"))
+    daemon.wait_state(1, "succeeded")
+    status = daemon.status()
+    assert status[0]["id"] == 1 and status[0]["name"] == "ok" and status[0]["attempts"] == 1
+    shown = daemon.show(1)
+    a = shown["attempt_list"][0]
+    assert a["exit"]["returncode"] == 0 and a["diagnosis"]["category"] == "success"
+    assert a["decision"]["kind"] == "done"
+    attempt_dir = daemon.state / "jobs" / "1" / "attempt-1"
+    assert {"output.log", "exit.json", "launch.json", "environment.json", "diagnosis.json"} <= {
+        p.name for p in attempt_dir.iterdir()}
+    assert "step 3/3" in daemon.cli("logs", "1").stdout
+    assert no_job_processes(tmp_path)
+    assert daemon.stop() == 0
+
+
+def test_fatal_line_tears_the_attempt_down_at_once(daemon, tmp_path):
+    """An OOM on one rank while the others block: we do not wait for them."""
+    daemon.start()
+    script = ("import sys,time,signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"print({CUDA_OOM!r}, flush=True)\ntime.sleep(600)\n")
+    (tmp_path / "work" / "oom.py").write_text(script)
+    drop(daemon.spool, "oom.yaml", command_job(tmp_path / "work", [sys.executable, "oom.py", marker(tmp_path)],
+                                               max_attempts=1))
+    daemon.wait_state(1, {"failed", "waiting_retry"}, timeout=30)
+    a = daemon.show(1)["attempt_list"][0]
+    assert a["exit"]["stopped_by"] == "fatal_signal"
+    assert a["diagnosis"]["category"] == "gpu_oom"
+    assert a["diagnosis"]["numbers"]["tried_to_allocate"] == 2 * 1024 ** 3
+    assert a["detected_at"] - a["started_at"] < 10
+    assert a["ended_at"] - a["detected_at"] < 3, "torn down promptly despite SIGTERM being ignored"
+    assert no_job_processes(tmp_path)
+
+
+def test_kill9_daemon_then_restart_adopts_and_finishes(daemon, tmp_path):
+    progress = tmp_path / "progress.txt"
+    daemon.start()
+    drop(daemon.spool, "long.yaml", job(tmp_path, "--steps", "30", "--sleep", "0.1", f"--progress={progress}"))
+    daemon.wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 3, what="progress")
+    daemon.kill9()
+    assert not no_job_processes(tmp_path), "the attempt outlives the daemon in its own session"
+    time.sleep(0.5)
+    daemon.start()
+    daemon.wait_state(1, "succeeded", timeout=60)
+    shown = daemon.show(1)
+    assert shown["attempts"] == 1, "re-adopted, not started twice"
+    assert any(e["kind"] == "attempt_adopted" for e in shown["events"])
+    assert "TWO ATTEMPTS AT ONCE" not in daemon.cli("logs", "1").stdout
+    steps = [int(x) for x in progress.read_text().split()]
+    assert steps == list(range(1, 31))
+    assert no_job_processes(tmp_path)
+
+
+def test_kill9_daemon_with_stop_on_restart_starts_a_new_attempt(dirs, tmp_path):
+    state, spool, _ = dirs
+    d = DaemonProc(state, spool, write_config(tmp_path / "c.yaml", on_restart="stop"), tmp_path / "d.log")
+    progress = tmp_path / "progress.txt"
+    d.start()
+    try:
+        drop(spool, "long.yaml", job(tmp_path, "--steps", "25", "--sleep", "0.1", f"--progress={progress}"))
+        d.wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 3, what="progress")
+        d.kill9()
+        d.start()
+        d.wait_state(1, "succeeded", timeout=60)
+        shown = d.show(1)
+        assert shown["attempts"] == 2
+        first, second = shown["attempt_list"]
+        assert first["interrupted"] and second["exit"]["returncode"] == 0
+        assert "TWO ATTEMPTS AT ONCE" not in d.cli("logs", "1", "--attempt", "2").stdout
+        steps = [int(x) for x in progress.read_text().split()]
+        assert steps[-1] == 25 and len(steps) == len(set(steps)), "continued, never ran twice at once"
+    finally:
+        d.stop(signal.SIGKILL)
+    assert no_job_processes(tmp_path)
+
+
+def test_power_loss_job_gone_without_exit_record_is_interrupted_and_resumed(daemon, tmp_path):
+    progress = tmp_path / "progress.txt"
+    daemon.start()
+    drop(daemon.spool, "long.yaml", job(tmp_path, "--steps", "20", "--sleep", "0.1", f"--progress={progress}"))
+    daemon.wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 2, what="progress")
+    daemon.kill9()
+    for pid in pids_with_marker(marker(tmp_path)) + pids_with_marker("supervisor.shim"):
+        try:
+            os.kill(pid, signal.SIGKILL)  # the box lost power: everything died at once
+        except ProcessLookupError:
+            pass
+    time.sleep(0.3)
+    daemon.start()
+    daemon.wait_state(1, "succeeded", timeout=60)
+    shown = daemon.show(1)
+    assert shown["attempt_list"][0]["interrupted"] is True
+    assert any("vanished with the daemon" in e["message"] for e in shown["events"])
+    assert [int(x) for x in progress.read_text().split()][-1] == 20
+
+
+def test_graceful_stop_interrupts_and_restart_resumes(daemon, tmp_path):
+    progress = tmp_path / "progress.txt"
+    daemon.start()
+    drop(daemon.spool, "long.yaml", job(tmp_path, "--steps", "20", "--sleep", "0.1", f"--progress={progress}"))
+    daemon.wait_for(lambda: progress.exists(), what="progress")
+    assert daemon.stop(signal.SIGTERM) == 0
+    assert no_job_processes(tmp_path)
+    assert daemon.job_state(1) == "interrupted"
+    daemon.start()
+    daemon.wait_state(1, "succeeded", timeout=60)
+    shown = daemon.show(1)
+    assert shown["attempts"] == 2 and shown["attempt_list"][0]["interrupted"]
+
+
+def test_cancel_running_and_queued_jobs(daemon, tmp_path):
+    daemon.start()
+    drop(daemon.spool, "a.yaml", job(tmp_path, "--steps", "1000", "--sleep", "0.1", "--ignore-term", name="a"))
+    daemon.wait_state(1, "running")
+    drop(daemon.spool, "b.yaml", command_job(tmp_path / "work", ["true"], name="b"))
+    daemon.wait_state(2, "queued")
+    out = daemon.cli("cancel", "2", check=True).stdout
+    assert "cancelled" in out
+    assert "cancel requested" in daemon.cli("cancel", "1", check=True).stdout
+    daemon.wait_state(1, "cancelled", timeout=30)
+    assert no_job_processes(tmp_path)
+    assert daemon.cli("cancel", "99").returncode == 2
+
+
+def test_retry_requeues_a_failed_job(daemon, tmp_path):
+    daemon.start()
+    state_file = tmp_path / "runs"
+    drop(daemon.spool, "f.yaml", job(tmp_path, "--steps", "1", "--sleep", "0", "--exit", "2",
+                                     "--print", "Segmentation fault (core dumped)", "--fail-first", "1",
+                                     f"--state={state_file}", max_attempts=1))
+    daemon.wait_state(1, "failed", timeout=30)
+    assert daemon.cli("retry", "1", check=True).returncode == 0
+    daemon.wait_state(1, "succeeded", timeout=30)
+    assert daemon.status()[0]["attempts"] == 2
+    assert daemon.cli("retry", "1").returncode == 2  # succeeded jobs are not retried
+
+
+def test_hang_is_detected_and_stopped(daemon, tmp_path):
+    daemon.start()
+    drop(daemon.spool, "h.yaml", job(tmp_path, "--steps", "1", "--sleep", "600", hang_timeout=1, max_attempts=1))
+    daemon.wait_state(1, {"failed", "waiting_retry"}, timeout=30)
+    a = daemon.show(1)["attempt_list"][0]
+    assert a["exit"]["stopped_by"] == "hang" and a["diagnosis"]["category"] == "hang"
+    assert no_job_processes(tmp_path)
+
+
+def test_second_daemon_on_same_state_is_refused(daemon, tmp_path):
+    daemon.start()
+    daemon.wait_for(lambda: (daemon.state / "daemon.lock").exists(), what="lock")
+    time.sleep(0.3)
+    res = subprocess.run([sys.executable, "-m", "supervisor.cli", "daemon", *daemon.cli_args()],
+                         capture_output=True, text=True, cwd=REPO, timeout=30)
+    assert res.returncode == 1 and "holds" in res.stderr
+
+
+def test_rejected_file_explains_itself(daemon, tmp_path):
+    daemon.start()
+    drop(daemon.spool, "typo.yaml", "supervisor:\n  comand: [true]\n")
+    err = daemon.spool / "rejected" / "typo.yaml.error.txt"
+    daemon.wait_for(err.exists, what="rejection")
+    assert "did you mean 'command'" in err.read_text()
+
+
+def test_cli_submit_wait_and_bad_input_exit_codes(daemon, tmp_path):
+    daemon.start()
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml_text := command_job(tmp_path / "work", ["true"], name="g"))
+    res = daemon.cli("submit", str(good), "--wait", "30")
+    assert res.returncode == 0 and "job 1" in res.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("supervisor:\n  command: [true]\n  gpu: [0]\n")
+    res = daemon.cli("submit", str(bad))
+    assert res.returncode == 2 and "did you mean 'gpus'" in res.stderr
+    assert daemon.cli("show", "42").returncode == 2
+    assert yaml_text

@@ -1,0 +1,94 @@
+"""The product's most important test: a real LLaMA-Factory run hits a real OOM mid-run and
+still finishes, through the real daemon, once per memory-limit mechanism."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from supervisor.demo.run import DEMO_CGROUP_LIMIT, DEMO_RLIMIT, default_launcher, demo_job
+from supervisor.limits import detect_cgroup
+
+from ..conftest import DaemonProc, drop, pids_with_marker, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.ml]
+
+if shutil.which(default_launcher()[0]) is None and not Path(default_launcher()[0]).exists():
+    pytest.skip("llamafactory-cli is not installed (pip install -e '.[llamafactory]')", allow_module_level=True)
+
+CACHE = Path(__file__).resolve().parents[2] / ".cache" / "demo-assets"
+
+
+def run_demo(tmp_path: Path, *, cgroups: str, limit: str) -> tuple[DaemonProc, dict]:
+    root = tmp_path / "demo"
+    (root / "work").mkdir(parents=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    (root / "cache").symlink_to(CACHE)
+    job = demo_job(root, memory_limit=limit, launcher=default_launcher())
+    d = DaemonProc(tmp_path / "state", tmp_path / "spool",
+                   write_config(tmp_path / "daemon.yaml", cgroups=cgroups, stop_grace=10, poll_interval=0.2),
+                   tmp_path / "daemon.log")
+    d.start()
+    try:
+        drop(d.spool, "demo.yaml", yaml.safe_dump(job))
+        d.wait_state(1, {"succeeded", "failed"}, timeout=600)
+        return d, job
+    finally:
+        d.stop(signal.SIGTERM)
+
+
+def check_night(d: DaemonProc, job: dict, *, mechanism: str) -> None:
+    shown = d.show(1)
+    assert shown["state"] == "succeeded", json.dumps(shown, indent=1, default=str)[-6000:]
+    first, second = shown["attempt_list"][:2]
+
+    # 1. a real OOM, diagnosed from the real log and exit status
+    diag = first["diagnosis"]
+    assert diag["category"] == "host_oom", diag
+    assert first["max_step"] is not None and first["max_step"] >= 8, "the OOM came mid-run"
+    assert first["checkpoint_step_after"] == 8
+    assert first["peak_host_memory_bytes"] and first["peak_host_memory_bytes"] > 100 * 2**20
+    started = next(e for e in shown["events"] if e["kind"] == "attempt_started" and e["attempt"] == 1)
+    assert started["data"]["limit_mechanism"] == mechanism
+
+    # 2. the remedy: a smaller micro-batch with exactly the same effective batch
+    micro0, accum0 = job["per_device_train_batch_size"], job["gradient_accumulation_steps"]
+    eff = yaml.safe_load((d.state / "jobs/1/attempt-2/effective.yaml").read_text())
+    assert eff["per_device_train_batch_size"] < micro0
+    assert eff["per_device_train_batch_size"] * eff["gradient_accumulation_steps"] == micro0 * accum0
+    assert first["decision"]["kind"] == "escalate" and first["decision"]["changes"]
+
+    # 3. resumed from the checkpoint the first attempt saved, and the step count went on
+    assert second["resumed_from_step"] == 8 and second["resumed_from"].endswith("checkpoint-8")
+    assert eff["resume_from_checkpoint"].endswith("checkpoint-8")
+    out = Path(job["output_dir"])
+    steps = [json.loads(line)["current_steps"] for line in (out / "trainer_log.jsonl").read_text().splitlines()
+             if line.strip()]
+    after = steps[steps.index(8) + 1:] if 8 in steps else steps
+    assert after and after[0] == 9, f"global step continued from 8, not restarted: {steps}"
+    assert second["max_step"] == second["total_steps"]
+
+    # 4. finished, final model saved, nothing left running
+    assert second["exit"]["returncode"] == 0 and second["diagnosis"]["category"] == "success"
+    assert any(out.glob("model*.safetensors")), sorted(p.name for p in out.iterdir())
+    assert second["steps_per_s"] and second["steps_per_s"] > 0
+    assert pids_with_marker(str(d.state)) == []
+
+
+def test_overnight_run_survives_a_real_oom_rlimit(tmp_path):
+    d, job = run_demo(tmp_path, cgroups="off", limit=DEMO_RLIMIT)
+    check_night(d, job, mechanism="rlimit-data")
+
+
+@pytest.mark.skipif(detect_cgroup() is None, reason="no writable cgroup memory controller (needs root)")
+def test_overnight_run_survives_a_real_oom_cgroup(tmp_path):
+    d, job = run_demo(tmp_path, cgroups="auto", limit=DEMO_CGROUP_LIMIT)
+    support = detect_cgroup()
+    check_night(d, job, mechanism=f"cgroup-v{support.version}")
+    first = d.show(1)["attempt_list"][0]
+    assert first["exit"]["signal"] == "SIGKILL" or first["exit"]["returncode"] in (137, -9)
