@@ -117,9 +117,13 @@ class Daemon:
         self.stopping = True
 
     def _sleep(self, seconds: float) -> None:
+        """Wait for the next tick, but wake at once when an attempt's log grows:
+        an OOM line must not wait a whole poll interval to be acted on."""
         end = time.monotonic() + seconds
         while not self.stopping and time.monotonic() < end:
-            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+            time.sleep(min(0.02, max(0.0, end - time.monotonic())))
+            if any(_log_grew(act) for act in self.active.values()):
+                return
 
     def tick(self) -> None:
         for name, step in self.steps:
@@ -198,6 +202,13 @@ class Daemon:
                 continue
             if act is not None:
                 self.active[job.id] = act
+
+
+def _log_grew(act: attempt_mod.Active) -> bool:
+    try:
+        return os.stat(act.paths.log).st_size > act.offset
+    except OSError:
+        return False
 
 
 def find_shim_by_launch_file(launch_file: Path) -> psutil.Process | None:
