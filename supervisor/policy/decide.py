@@ -105,6 +105,10 @@ def _order(job: JobContext, diag: Diagnosis, policy: Policy, ov: Overrides) -> l
         elif diag.fragmentation and "allocator" in order:
             order.remove("allocator")
             order.insert(0, "allocator")
+        elif "allocator" in order:
+            # No sign of fragmentation: allocator tuning is unlikely to be the fix, try it late.
+            order.remove("allocator")
+            order.append("allocator")
         if diag.subkind not in R.NON_CACHING_SUBKINDS and "memory_fraction" in order:
             # A cap gives PyTorch less, never more: last resort for caching-allocator OOMs.
             order.remove("memory_fraction")

@@ -171,7 +171,12 @@ def allocator(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, m
         what = (f"garbage_collection_threshold:{step['garbage_collection_threshold']}, "
                 f"max_split_size_mb:{step['max_split_size_mb']} (blocks above the split size are not "
                 "cut up, cached blocks are reclaimed early); no training change, a little allocator time")
-    frees = mem.reserved_unallocated if mem.reserved_unallocated is not None else None
+    # It can only hand back memory PyTorch holds but cannot use: the reserved-but-
+    # unallocated share. Without the fragmentation signal and with a measured
+    # shortfall, count nothing on it.
+    frees = mem.reserved_unallocated
+    if frees is None and mem.shortfall is not None and not diag.fragmentation:
+        frees = 0
     return Applied(with_changes(ov, "allocator", what, env=_alloc_env(ours)), what, frees)
 
 
@@ -301,6 +306,9 @@ def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offlo
         gpu_now, _ = model_states(job.param_count, lil, world, cur)
         gpu_new, host_need = model_states(job.param_count, lil, world, new_setup)
         frees = max(0, gpu_now - gpu_new)
+    if host_need and job.host_ram_bytes and host_need / 1.5 > job.host_ram_bytes:
+        return Skipped(f"needs ~{host_need / 1.5 / (1 << 30):.0f} GiB host RAM even without DeepSpeed's "
+                       f"1.5x buffer; this box has {job.host_ram_bytes / (1 << 30):.0f} GiB")
     what = ("DeepSpeed ZeRO-3, optimizer state " + ("and parameters " if offload_param else "")
             + "offloaded to pinned CPU memory (generated ds_config.json, overlap_comm on); "
             + ("much slower steps (every layer's weights cross PCIe each step)" if offload_param
