@@ -1,0 +1,496 @@
+"""LogScanner: reads one attempt's log incrementally, in bounded memory.
+
+Design, so that a 1 GB log costs about a third of `grep -E` on it:
+  - Bytes, never decoded wholesale. Each chunk is cut at its last newline; the
+    rest waits for the next chunk (a line longer than LONG_LINE is scanned in
+    fixed blocks counted from the line start, so results do not depend on how
+    the stream was chunked).
+  - One prefilter pass over the complete lines: a literal alternation of the
+    rule keywords (`rules.KEYWORDS`), run by RE2 when `google-re2` is
+    installed (a DFA, ~0.5 GB/s) and by `re` otherwise (same answers, slower).
+    Only lines it hits are decoded (errors="replace"), stripped of ANSI codes,
+    split on `\\r`, and classified.
+  - Line numbers count `\\n` only (so they match `grep -n` and editors).
+  - Training progress from tqdm bars is read by `rfind` of the bar's
+    `/<total> [` text, once per chunk, not per line.
+  - Kept state is capped: `max_evidence_per_rule` findings per rule (the
+    earliest, plus the latest), `tail_lines` tail lines of at most
+    TAIL_LINE_CHARS each, 64 traceback frames per rank.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.diagnosis import rules
+from supervisor.diagnosis.rules import (
+    ANSI_RE,
+    CONTEXT_MARKERS,
+    FRAME_PHASES,
+    FRAME_RE,
+    HINT,
+    PHASE_PRECEDENCE,
+    Hit,
+    Segment,
+    classify,
+    split_prefix,
+)
+from supervisor.models import Category, Evidence, Phase
+
+try:  # optional accelerator: same semantics, several times faster on big logs
+    import re2 as _re2  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the environment
+    _re2 = None
+
+LONG_LINE = 1 << 20  # bytes of one line held before it is scanned in blocks
+OVERLAP = 4096  # bytes re-scanned between blocks of a long line
+WINDOW = 64 * 1024  # a candidate line longer than this is read around the hit only
+TAIL_LINE_CHARS = 2000
+EVIDENCE_CHARS = 2000
+MAX_FRAMES = 64
+MAX_WATCH = 32
+
+_PREFILTER_PATTERN = b"|".join(re.escape(k.encode()) for k in rules.KEYWORDS)
+_PREFILTER_TEXT = re.compile("|".join(re.escape(k) for k in rules.KEYWORDS))
+_BAR_RE = re.compile(rb"%\|[^|\r\n]{0,200}\|\s*(\d+)/(\d+) \[")
+
+
+def _compile_prefilter() -> Any:
+    if _re2 is not None:
+        try:
+            return _re2.compile(_PREFILTER_PATTERN)
+        except Exception:  # pragma: no cover - an RE2 build that refuses the pattern
+            pass
+    return re.compile(_PREFILTER_PATTERN)
+
+
+_PREFILTER = _compile_prefilter()
+PREFILTER_ENGINE = "re2" if _re2 is not None and not isinstance(_PREFILTER, re.Pattern) else "re"
+
+
+@dataclass
+class Finding:
+    """A rule hit placed in the log: where, which rank, which phase."""
+
+    hit: Hit
+    line_no: int
+    text: str
+    rank: int | None
+    phase: Phase
+    seq: int
+    step_before: int | None = None
+    recovered: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rule(self) -> str:
+        return self.hit.rule
+
+    @property
+    def category(self) -> Category:
+        return self.hit.category
+
+    @property
+    def tier(self) -> int:
+        return self.hit.tier
+
+    def evidence(self) -> Evidence:
+        return Evidence(line_no=self.line_no, text=self.text, rule=self.hit.rule)
+
+
+@dataclass
+class ScanState:
+    """What the scanner concluded from the log alone (input to `conclude`)."""
+
+    findings: list[Finding]
+    lines_seen: int
+    last_step: int | None
+    total_steps: int | None
+    hip: bool
+    cuda: bool
+    tail: list[tuple[int, str]]
+    context_phase: Phase
+    min_loss_scale_overflows: int
+
+
+def _digits_before(buf: bytes, end: int) -> int | None:
+    i = end
+    while i > 0 and end - i < 12 and 48 <= buf[i - 1] <= 57:
+        i -= 1
+    return int(buf[i:end]) if i < end else None
+
+
+def _last_segment(line: bytes) -> str:
+    """The text a terminal would show for a line: what follows its last `\\r`."""
+    if b"\r" in line:
+        parts = [p for p in line.split(b"\r") if p.strip()]
+        line = parts[-1] if parts else b""
+    text = line[-TAIL_LINE_CHARS * 2 :].decode("utf-8", "replace")
+    if "\x1b" in text:
+        text = ANSI_RE.sub("", text)
+    return text[-TAIL_LINE_CHARS:]
+
+
+class LogScanner:
+    """Incremental, bounded-memory reader of one attempt's combined stdout/stderr log."""
+
+    def __init__(self, *, max_evidence_per_rule: int = 5, tail_lines: int = 200):
+        self.max_evidence_per_rule = max(1, max_evidence_per_rule)
+        self.tail_lines = max(1, tail_lines)
+        self._lines = 0
+        self._partial = b""
+        self._line_key: tuple[int, set[str]] = (0, set())  # dedupe rules on the current line
+        self._kept: dict[str, list[Finding]] = {}
+        self._latest: dict[str, Finding] = {}
+        self._seq = 0
+        self._frames: dict[int | None, deque[tuple[str, str]]] = {}
+        self._context: tuple[Phase, int] | None = None
+        self._total: int | None = None
+        self._needle: bytes | None = None
+        self._last_step: int | None = None
+        self._last_bar_line = 0
+        self._watch: list[Finding] = []
+        self._hip = False
+        self._cuda = False
+        self._tail: deque[tuple[int, str]] = deque(maxlen=self.tail_lines)
+        self._tail_pending: tuple[bytes, int, int] | None = None
+        self._torchrun_rank: int | None = None
+        self._min_scale_overflows = 0
+        self._flushed = False
+
+    # ------------------------------------------------------------------ API
+    @property
+    def last_step(self) -> int | None:
+        """Highest training step seen (tqdm `N/M` bars, DeepSpeed `step=N`, `checkpoint-N` saves)."""
+        return self._last_step
+
+    @property
+    def lines_seen(self) -> int:
+        return self._lines
+
+    def feed(self, chunk: bytes) -> list[Evidence]:
+        """Feed bytes as appended to the log; returns NEW fatal evidence (OOM, device fault)."""
+        if self._flushed:
+            raise RuntimeError("LogScanner.feed() after finish()")
+        if not chunk:
+            return []
+        fatal: list[Evidence] = []
+        data = self._partial + bytes(chunk) if self._partial else bytes(chunk)
+        data = self._consume_long_line(data, fatal)
+        nl = data.rfind(b"\n")
+        if nl < 0:
+            self._partial = data
+            return fatal
+        self._partial = data[nl + 1 :]
+        self._scan_region(data[: nl + 1] if nl + 1 < len(data) else data, fatal)
+        return fatal
+
+    def finish(self, exit: Any = None, host: Any = None) -> Any:
+        """Flush the partial line and conclude (see conclude.py). Callable repeatedly."""
+        from supervisor.diagnosis.conclude import conclude
+
+        if not self._flushed:
+            if self._partial:
+                data, self._partial = self._partial, b""
+                self._scan_region(data + b"\n", [])
+            self._flushed = True
+        return conclude(self.state(), exit, host)
+
+    def state(self) -> ScanState:
+        self._materialize_tail()
+        findings: dict[int, Finding] = {}
+        for kept in self._kept.values():
+            for f in kept:
+                findings[f.seq] = f
+        for f in self._latest.values():
+            findings[f.seq] = f
+        ordered = sorted(findings.values(), key=lambda f: (f.line_no, f.seq))
+        return ScanState(
+            findings=ordered,
+            lines_seen=self._lines,
+            last_step=self._last_step,
+            total_steps=self._total,
+            hip=self._hip,
+            cuda=self._cuda,
+            tail=list(self._tail),
+            context_phase=self._context_phase_now(),
+            min_loss_scale_overflows=self._min_scale_overflows,
+        )
+
+    # ------------------------------------------------------------ bytes level
+    def _consume_long_line(self, data: bytes, fatal: list[Evidence]) -> bytes:
+        """Scan a newline-less head longer than LONG_LINE in fixed blocks, then drop it."""
+        block = LONG_LINE + OVERLAP
+        while len(data) >= block and data.find(b"\n", 0, block) < 0:
+            window = data[:block]
+            line_no = self._lines + 1
+            self._scan_matches(window, line_no, fatal, count_lines=False)
+            self._scan_progress(window, self._lines, 0)
+            data = data[LONG_LINE:]
+        return data
+
+    def _scan_region(self, region: bytes, fatal: list[Evidence]) -> None:
+        """Process complete lines (`region` ends with a newline)."""
+        base = self._lines
+        nlines = self._scan_matches(region, base + 1, fatal, count_lines=True)
+        self._scan_progress(region, base, nlines)
+        self._lines = base + nlines
+        self._remember_tail(region, base, nlines)
+
+    def _scan_matches(self, buf: bytes, first_line: int, fatal: list[Evidence], *, count_lines: bool) -> int:
+        line_no = first_line
+        counted = 0
+        skip_until = -1
+        for m in _PREFILTER.finditer(buf):
+            s = m.start()
+            if s < skip_until:
+                continue
+            if count_lines:
+                line_no += buf.count(b"\n", counted, s)
+                counted = s
+            ls = buf.rfind(b"\n", 0, s) + 1
+            le = buf.find(b"\n", s)
+            if le < 0:
+                le = len(buf)
+            if le - ls > WINDOW:
+                ws = max(ls, s - 2048)
+                we = min(le, s + 16 * 1024)
+            else:
+                ws, we = ls, le
+            self._handle_window(buf, ws, we, ls, line_no, fatal)
+            skip_until = we
+        if not count_lines:
+            return 0
+        return (line_no - first_line) + buf.count(b"\n", counted)
+
+    def _handle_window(self, buf: bytes, ws: int, we: int, ls: int, line_no: int, fatal: list[Evidence]) -> None:
+        raw = buf[ws:we].decode("utf-8", "replace")
+        if "\x1b" in raw:
+            raw = ANSI_RE.sub("", raw)
+        if self._line_key[0] != line_no:
+            self._line_key = (line_no, set())
+        for piece in raw.split("\r"):
+            if piece and _PREFILTER_TEXT.search(piece):
+                self._handle_segment(piece, line_no, buf, ls, fatal)
+
+    # ------------------------------------------------------------- line level
+    def _handle_segment(self, raw: str, line_no: int, buf: bytes, ls: int, fatal: list[Evidence]) -> None:
+        seg = split_prefix(raw)
+        t = seg.text
+        if 'File "' in t:
+            fm = FRAME_RE.search(t)
+            if fm:
+                frames = self._frames.setdefault(seg.rank, deque(maxlen=MAX_FRAMES))
+                frames.append((fm.group("func"), fm.group("path")))
+                if "/rocm" in fm.group("path") or "hip" in fm.group("path").rsplit("/", 1)[-1]:
+                    self._hip = True
+                return
+        if "Traceback (most recent call last)" in t:
+            self._frames.pop(seg.rank, None)
+            return
+        if not self._hip and rules.HIP_RE.search(raw):
+            self._hip = True
+        if not self._cuda and rules.CUDA_RE.search(raw):
+            self._cuda = True
+        self._track_markers(t, line_no, buf, ls)
+        for hit in classify(seg):
+            self._record(hit, seg, line_no, buf, ls, fatal)
+        if seg.exc is not None:
+            # An exception line closes that rank's traceback.
+            if self._frames.pop(seg.rank, None) is None and seg.rank is not None:
+                self._frames.pop(None, None)
+
+    def _track_markers(self, t: str, line_no: int, buf: bytes, ls: int) -> None:
+        for rx, phase in CONTEXT_MARKERS:
+            if rx.search(t):
+                if not (phase is Phase.TRAIN_STEP and self._context and self._context[0] is Phase.RESUME
+                        and self._context[1] > self._bar_line_before(buf, ls, line_no)):
+                    self._context = (phase, line_no)
+                break
+        if "optimization steps" in t:
+            m = rules.TOTAL_STEPS_RE.search(t)
+            if m:
+                self._set_total(int(m.group(1).replace(",", "")))
+        if "checkpoint-" in t:
+            m = rules.CHECKPOINT_STEP_RE.search(t)
+            if m:
+                self._bump_step(int(m.group(1)))
+        if "skipped=" in t:
+            m = rules.DS_STEP_RE.search(t)
+            if m:
+                self._bump_step(int(m.group(1)))
+        if "batch size of" in t and rules.RETRY_BATCH_RE.search(t):
+            # transformers' auto_find_batch_size restarted the loop: earlier OOMs were handled.
+            for w in self._watch:
+                if w.line_no < line_no:
+                    w.recovered = True
+                    w.notes.append(f"retried by the program (line {line_no}: {t.strip()[:120]})")
+        if "OVERFLOW" in t:
+            m = rules.LOSS_SCALE_RE.search(t)
+            if m and int(m.group(1)) <= 1:
+                self._min_scale_overflows += 1
+        if "local_rank" in t:
+            m = rules.TORCHRUN_RANK_RE.search(t)
+            if m:
+                self._torchrun_rank = int(m.group(1))
+
+    def _record(self, hit: Hit, seg: Segment, line_no: int, buf: bytes, ls: int, fatal: list[Evidence]) -> None:
+        seen = self._line_key[1]
+        if hit.rule in seen:
+            return
+        seen.add(hit.rule)
+        rank = seg.rank
+        if rank is None and hit.rule in ("sigkill", "segfault", "abort", "child_failed"):
+            rank = rules.local_rank_of(seg.text)
+            if rank is None and "exitcode" in seg.text:
+                rank = self._torchrun_rank
+        frames = self._frames.get(seg.rank) or (self._frames.get(None) if seg.rank is not None else None)
+        notes: list[str] = []
+        if frames:
+            paths = " ".join(p for _, p in frames)
+            funcs = " ".join(f for f, _ in frames)
+            if hit.rule == "driver_oom" and rules._PINNED_RE.search(funcs + " " + paths):
+                hit = Hit("pinned_host_oom", Category.HOST_OOM, hit.tier, "pinned", fatal=True, vendor="cpu", exc=hit.exc)
+            if "deepspeed/runtime/zero" in paths or "deepspeed/runtime/swap_tensor" in paths:
+                if "swap_tensor" in paths or "offload" in paths or "offload" in funcs:
+                    notes.append("inside DeepSpeed ZeRO offload")
+                elif "partition_parameters" in paths or "all_gather" in funcs or "fetch_sub_module" in funcs:
+                    notes.append("inside DeepSpeed ZeRO-3 parameter gather")
+                else:
+                    notes.append("inside DeepSpeed ZeRO")
+        phase = self._phase_from_frames(frames) if frames and seg.exc is not None else None
+        if phase is None:
+            phase = self._context_phase(buf, ls, line_no)
+        text = seg.raw.strip()
+        if len(text) > EVIDENCE_CHARS:
+            text = text[:EVIDENCE_CHARS] + "..."
+        self._seq += 1
+        f = Finding(hit=hit, line_no=line_no, text=text, rank=rank, phase=phase, seq=self._seq, notes=notes)
+        if hit.category in (Category.GPU_OOM, Category.HOST_OOM):
+            f.step_before = self._step_before(buf, ls)
+            if len(self._watch) >= MAX_WATCH:
+                self._watch.pop(0)
+            self._watch.append(f)
+        kept = self._kept.setdefault(hit.rule, [])
+        if len(kept) < self.max_evidence_per_rule:
+            kept.append(f)
+        self._latest[hit.rule] = f
+        if hit.fatal and hit.tier != HINT:
+            fatal.append(f.evidence())
+
+    # ------------------------------------------------------------ progress
+    def _set_total(self, total: int) -> None:
+        if total > 0:
+            self._total = total
+            self._needle = b"/%d [" % total
+
+    def _bump_step(self, step: int) -> None:
+        if self._last_step is None or step > self._last_step:
+            self._last_step = step
+
+    def _discover_total(self, region: bytes) -> None:
+        """Learn the training bar's total from the first description-less tqdm bar."""
+        p = region.find(b"%|")
+        tries = 0
+        while p >= 0 and tries < 10_000:
+            tries += 1
+            start = max(region.rfind(b"\r", 0, p), region.rfind(b"\n", 0, p)) + 1
+            if region[start:p].strip().isdigit():
+                m = _BAR_RE.match(region, p)
+                if m:
+                    self._set_total(int(m.group(2)))
+                    return
+            p = region.find(b"%|", p + 2)
+
+    def _scan_progress(self, region: bytes, base: int, nlines: int) -> None:
+        if self._needle is None:
+            self._discover_total(region)
+            if self._needle is None:
+                return
+        p = region.rfind(self._needle)
+        if p < 0:
+            return
+        step = _digits_before(region, p)
+        if step is None:
+            return
+        line = base + nlines - region.count(b"\n", p) + 1
+        self._bump_step(step)
+        self._last_bar_line = max(self._last_bar_line, line)
+        for w in self._watch:
+            if not w.recovered and line > w.line_no and w.step_before is not None and step > w.step_before:
+                w.recovered = True
+                w.notes.append(f"training continued to step {step} afterwards")
+
+    def _step_before(self, buf: bytes, ls: int) -> int | None:
+        if self._needle is not None:
+            p = buf.rfind(self._needle, 0, ls)
+            if p >= 0:
+                step = _digits_before(buf, p)
+                if step is not None:
+                    return max(step, self._last_step or 0)
+        return self._last_step if self._last_step is not None else (0 if self._needle else None)
+
+    def _bar_line_before(self, buf: bytes, ls: int, line_no: int) -> int:
+        if self._needle is not None:
+            p = buf.rfind(self._needle, 0, ls)
+            if p >= 0:
+                return line_no - buf.count(b"\n", p, ls)
+        return self._last_bar_line
+
+    # --------------------------------------------------------------- phase
+    @staticmethod
+    def _phase_from_frames(frames: deque[tuple[str, str]] | None) -> Phase | None:
+        if not frames:
+            return None
+        found = {FRAME_PHASES[f] for f, _ in frames if f in FRAME_PHASES}
+        for phase in PHASE_PRECEDENCE:
+            if phase in found:
+                return phase
+        return None
+
+    def _context_phase(self, buf: bytes, ls: int, line_no: int) -> Phase:
+        bar_line = self._bar_line_before(buf, ls, line_no)
+        if self._context is None:
+            return Phase.TRAIN_STEP if bar_line else Phase.UNKNOWN
+        phase, marker_line = self._context
+        if bar_line > marker_line:
+            return Phase.TRAIN_STEP
+        return phase
+
+    def _context_phase_now(self) -> Phase:
+        if self._context is None:
+            return Phase.TRAIN_STEP if self._last_bar_line else Phase.UNKNOWN
+        phase, marker_line = self._context
+        return Phase.TRAIN_STEP if self._last_bar_line > marker_line else phase
+
+    # ---------------------------------------------------------------- tail
+    def _remember_tail(self, region: bytes, base: int, nlines: int) -> None:
+        if nlines >= self.tail_lines:
+            self._tail.clear()
+            self._tail_pending = (region, base, nlines)
+        else:
+            self._materialize_tail()
+            self._push_tail(region, base, nlines)
+
+    def _materialize_tail(self) -> None:
+        if self._tail_pending is not None:
+            region, base, nlines = self._tail_pending
+            self._tail_pending = None
+            self._push_tail(region, base, nlines)
+
+    def _push_tail(self, region: bytes, base: int, nlines: int) -> None:
+        want = min(nlines, self.tail_lines)
+        end = len(region) - 1  # the final newline
+        start = end
+        for _ in range(want):
+            j = region.rfind(b"\n", 0, start)
+            start = j
+            if j < 0:
+                break
+        lines = region[start + 1 : end].split(b"\n")
+        first = base + nlines - len(lines) + 1
+        for i, line in enumerate(lines):
+            self._tail.append((first + i, _last_segment(line)))
