@@ -1,0 +1,175 @@
+"""Shared helpers for tests that run REAL trainings (LLaMA-Factory on the CPU, tiny local model).
+
+Not a conftest: import what you need (`from tests.conftest_ml import ...`). Assets and the
+DeepSpeed op build are cached under the repo's git-ignored `.cache/` (override with
+OOMSUP_TEST_CACHE) so only the first session pays for them; training outputs live in pytest's
+temp dirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+LLAMAFACTORY_CLI = VENV_BIN / "llamafactory-cli"
+CACHE = Path(os.environ.get("OOMSUP_TEST_CACHE", REPO / ".cache" / "test-ml"))
+
+# Offline, quiet, fast: nothing may come from a hub.
+TRAIN_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DISABLE_VERSION_CHECK": "1",
+    "TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions"),  # DeepSpeed ops compile once
+    "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # torchrun for FORCE_TORCHRUN
+}
+
+# The DeepSpeed ZeRO-3 config of LLaMA-Factory's examples/deepspeed/ds_z3_config.json.
+DS_Z3: dict[str, Any] = {
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_allow_untested_optimizer": True,
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+}
+
+
+def ds_z3(offload: bool) -> dict[str, Any]:
+    cfg = json.loads(json.dumps(DS_Z3))
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return cfg
+
+
+def needs_llamafactory() -> None:
+    if not LLAMAFACTORY_CLI.exists():
+        pytest.skip(f"{LLAMAFACTORY_CLI} not installed (the [llamafactory] extra)")
+
+
+def needs_deepspeed() -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
+        pytest.skip(f"deepspeed not importable: {e}")
+
+
+def tiny_assets():
+    """A ~50k-parameter Llama + 64 short samples: a training step takes milliseconds."""
+    from supervisor.demo.assets import build_demo_assets
+
+    return build_demo_assets(CACHE / "assets", hidden=64, layers=2, n_short=64, n_long=0,
+                             long_tokens=100)
+
+
+def tiny_job(output_dir: Path, **overrides: Any) -> dict[str, Any]:
+    from supervisor.demo.assets import demo_job_config
+
+    cfg = demo_job_config(tiny_assets(), output_dir, micro_batch=4, grad_accum=1, save_steps=3)
+    cfg.update(cutoff_len=256, max_steps=12)
+    cfg.update(overrides)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def write_job(path: Path, config: Mapping[str, Any], deepspeed: Mapping[str, Any] | None = None) -> Path:
+    cfg = dict(config)
+    if deepspeed is not None:
+        ds_path = path.with_suffix(".ds.json")
+        ds_path.write_text(json.dumps(deepspeed, indent=1))
+        cfg["deepspeed"] = str(ds_path)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start_train(job_yaml: Path, log: Path, *, deepspeed: bool = False) -> subprocess.Popen:
+    env = {**os.environ, **TRAIN_ENV}
+    if deepspeed:
+        env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE="1")
+    with open(log, "wb") as out:
+        return subprocess.Popen([str(LLAMAFACTORY_CLI), "train", str(job_yaml)], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=job_yaml.parent,
+                                start_new_session=True)
+
+
+def train(job_yaml: Path, log: Path, *, deepspeed: bool = False, timeout: float = 600) -> int:
+    proc = start_train(job_yaml, log, deepspeed=deepspeed)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        kill_tree(proc)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the whole session (torchrun's workers are not in the launcher's group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], *, timeout: float = 300,
+              poll: float = 0.005) -> bool:
+    """SIGKILL the run as soon as `ready()` holds; False if the run ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            kill_tree(proc)
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(poll)
+    kill_tree(proc)
+    raise TimeoutError("condition not reached")
+
+
+def log_records(output_dir: Path) -> list[dict[str, Any]]:
+    """trainer_log.jsonl as records (complete lines only)."""
+    path = output_dir / "trainer_log.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def steps_logged(output_dir: Path) -> dict[int, dict[str, Any]]:
+    """Per-step loss/lr records (the final summary line has no loss)."""
+    return {r["current_steps"]: r for r in log_records(output_dir) if "loss" in r}
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
