@@ -138,18 +138,18 @@ def _escalate(ov: Overrides, applied: R.Applied, rung: str, reason: str) -> Deci
 
 
 def _no_progress_run(history: Sequence[AttemptRecord]) -> int:
-    """Consecutive attempts at the end of the history that left no newer complete checkpoint."""
-    best = -1
-    flags = []
+    """Attempts since the last one that left a newer complete checkpoint.
+
+    OOM attempts do not count: each runs a new configuration and the OOM
+    budget bounds them; this budget is for loops that repeat without gain.
+    """
+    best, run = -1, 0
     for a in history:
         step = a.checkpoint_step_after if a.checkpoint_step_after is not None else -1
-        flags.append(step <= best)
-        best = max(best, step)
-    run = 0
-    for f in reversed(flags):
-        if not f:
-            break
-        run += 1
+        if step > best:
+            best, run = step, 0
+        elif not (a.diagnosis is not None and a.diagnosis.category in OOM):
+            run += 1
     return run
 
 

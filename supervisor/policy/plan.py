@@ -1,0 +1,174 @@
+"""`oom-supervisor plan FILE`: the ladder a job would climb, without running anything.
+
+With the model size (local config.json) and --gpu-memory known, each step
+feeds decide() the OOM the estimate predicts, numbers included, and the plan
+ends at the first configuration estimated to fit.
+
+For each rung: what changes against the user's file, and the estimated GPU
+and host memory of that configuration (model states by DeepSpeed's formulas,
+activations by the usual per-layer estimate), so a user can see before the
+night whether the remedies could ever fit. Without those numbers each step
+assumes a plain out-of-memory in a training step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..models import AttemptRecord, Category, Diagnosis, DecisionKind, ExitRecord, JobContext, Overrides, Phase
+from .decide import decide
+from .estimate import GiB, ModelShape, activation_bytes, deepspeed_estimates, model_states, read_model_shape
+from .render import render_attempt
+from .rungs import view_of
+from .schema import BUILTIN_POLICY_DIR, PolicyError, load_policy
+
+MAX_STEPS = 12
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", type=Path, metavar="FILE", help="job file (as for submit)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--policy", metavar="NAME", help="policy name or path (default: the job's, else 'default')")
+    parser.add_argument("--policy-dir", type=Path, action="append", default=[],
+                        help="where named policies live (repeatable; the shipped ones are always searched)")
+    parser.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity to judge fit against")
+    parser.add_argument("--deepspeed-estimator", action="store_true",
+                        help="also print DeepSpeed's own ZeRO-3 estimates (imports deepspeed, slow)")
+
+
+def _context(spec: Any, shape: ModelShape | None, gpu_gib: float | None) -> JobContext:
+    ds = spec.config.get("deepspeed")
+    ds_cfg = ds if isinstance(ds, dict) else None
+    if isinstance(ds, str):
+        try:
+            ds_cfg = json.loads(ds) if ds.strip().startswith("{") else json.loads(spec.resolve(ds).read_text())
+        except (OSError, ValueError):
+            ds_cfg = None
+    return JobContext(id=0, name=spec.name, kind=spec.kind, config=spec.config, world_size=spec.world_size,
+                      max_attempts=spec.sup.max_attempts or 8,
+                      param_count=shape.params if shape else None,
+                      largest_layer_params=shape.largest_layer_params if shape else None,
+                      gpu_capacity_bytes=int(gpu_gib * GiB) if gpu_gib else None, deepspeed_config=ds_cfg)
+
+
+def _estimate(ctx: JobContext, ov: Overrides, shape: ModelShape | None) -> dict[str, Any]:
+    out = _numbers(ctx, ov, shape)
+    if out and ctx.gpu_capacity_bytes:
+        out["fits"] = out["total_gpu_gib"] * GiB <= ctx.gpu_capacity_bytes
+    return out
+
+
+def _numbers(ctx: JobContext, ov: Overrides, shape: ModelShape | None) -> dict[str, Any]:
+    if not shape:
+        return {}
+    v = view_of(ctx, ov)
+    gpu, host = model_states(shape.params, shape.largest_layer_params, max(1, ctx.world_size), v.setup)
+    act = activation_bytes(micro_batch=v.micro, seq_len=v.cutoff, hidden=shape.hidden_size,
+                           layers=shape.num_layers, checkpointing=v.gc_on, vocab=shape.vocab_size,
+                           offload_checkpoints=v.unsloth_gc)
+    world = max(1, ctx.world_size)
+    weights = (4 * shape.largest_layer_params if v.setup.offload_param
+               else 2 * shape.params // (world if v.setup.zero_stage == 3 else 1))
+    return {"weights_gpu_gib": round(weights / GiB, 2), "model_states_gpu_gib": round(gpu / GiB, 2), "model_states_host_gib": round(host / GiB, 2),
+            "activations_gib": round(act / GiB, 2), "total_gpu_gib": round((gpu + act) / GiB, 2)}
+
+
+def build_plan(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None) -> list[dict[str, Any]]:
+    ctx = _context(spec, shape, gpu_gib)
+    history: list[AttemptRecord] = []
+    ov = Overrides()
+    steps = [{"attempt": 1, "rung": None, "reason": "the job as submitted", "changes": [],
+              "estimate": _estimate(ctx, ov, shape)}]
+    attempt_dir = Path("<attempt_dir>")
+    for n in range(1, MAX_STEPS):
+        if steps[-1]["estimate"].get("fits"):
+            break
+        oom = _planned_oom(ctx, steps[-1]["estimate"])
+        history.append(AttemptRecord(n, ov, oom, ExitRecord(1)))
+        d = decide(ctx, history, oom, policy)
+        if d.kind != DecisionKind.ESCALATE or d.overrides is None:
+            steps.append({"attempt": n + 1, "rung": None, "reason": f"{d.kind}: {d.reason}", "changes": [],
+                          "estimate": {}})
+            break
+        ov = d.overrides
+        r = render_attempt(spec, ov, attempt_dir=attempt_dir, resume_yaml={}, launcher=["llamafactory-cli"])
+        steps.append({"attempt": n + 1, "rung": d.rung, "reason": d.reason,
+                      "changes": [c.to_dict() for c in r.changes], "estimate": _estimate(ctx, ov, shape)})
+    return steps
+
+
+def _planned_oom(ctx: JobContext, est: dict[str, Any]) -> Diagnosis:
+    """The OOM this configuration would die of, with the numbers the estimate predicts
+    (or none, when the model size or the GPU is unknown: then the ladder is climbed plainly)."""
+    if not est or not ctx.gpu_capacity_bytes:
+        return Diagnosis(Category.GPU_OOM, "planned: out of memory in a training step", phase=Phase.TRAIN_STEP)
+    cap = ctx.gpu_capacity_bytes
+    need = int(est["total_gpu_gib"] * GiB)
+    free = GiB // 4
+    # The 16-bit weights are what loading puts on the GPU; the rest comes at the first step.
+    phase = Phase.MODEL_LOAD if est["weights_gpu_gib"] * GiB > cap else Phase.TRAIN_STEP
+    return Diagnosis(Category.GPU_OOM, f"planned: out of memory in {phase}", phase=phase,
+                     numbers={"total_capacity": cap, "free": free, "tried_to_allocate": max(free, need - cap + free)})
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..jobspec import JobFileError, parse_job_text
+
+    try:
+        text = args.file.read_text()
+        spec = parse_job_text(text, source=str(args.file), submit_dir=args.file.resolve().parent)
+        name = args.policy or spec.sup.policy or "default"
+        policy = load_policy(name, search_dirs=[*args.policy_dir, BUILTIN_POLICY_DIR])
+    except JobFileError as err:
+        print(err.report(), file=sys.stderr)
+        return 2
+    except PolicyError as err:
+        print(f"policy refused: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"cannot read {args.file}: {err}", file=sys.stderr)
+        return 2
+    model = spec.config.get("model_name_or_path")
+    shape = read_model_shape(spec.resolve(model)) if model else None
+    steps = build_plan(spec, policy, shape, args.gpu_memory)
+    extra = None
+    if args.deepspeed_estimator and shape:
+        extra = deepspeed_estimates(shape.params, shape.largest_layer_params, spec.world_size)
+    if args.json:
+        print(json.dumps({"job": spec.name, "policy": policy.name,
+                          "params": shape.params if shape else None, "steps": steps,
+                          "deepspeed_estimates": extra}, indent=2, default=str))
+        return 0
+    head = f"{spec.name}: policy {policy.name!r}"
+    head += f", {shape.params / 1e9:.2f}B parameters" if shape else " (model size unknown: no local config.json)"
+    print(head)
+    for s in steps:
+        est = s["estimate"]
+        mem = (f"  [GPU ~{est['total_gpu_gib']} GiB = states {est['model_states_gpu_gib']} + activations "
+               f"{est['activations_gib']}; host ~{est['model_states_host_gib']} GiB"
+               + {True: "; fits", False: "; does not fit", None: ""}[est.get("fits")] + "]" if est else "")
+        title = s["rung"] or ("as submitted" if s["attempt"] == 1 else "stop")
+        print(f"{s['attempt']:>2}. {title}{mem}")
+        if s["rung"] is None and s["attempt"] > 1:
+            print(f"    {s['reason']}")
+        for c in s["changes"]:
+            new = "(generated)" if c["target"] == "deepspeed" else c["new"]
+            print(f"    {c['target']}.{c['key']}: {c['old']!r} -> {new!r}")
+    if extra:
+        for k, (g, h) in extra.items():
+            print(f"DeepSpeed's own estimate, {k}: GPU {g / GiB:.1f} GiB, host {h / GiB:.1f} GiB")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="oom-supervisor plan", description=__doc__.splitlines()[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
