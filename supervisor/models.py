@@ -253,6 +253,9 @@ class JobContext:
     # The user's DeepSpeed config, read at the edge when `deepspeed:` is a path (the policy
     # needs its ZeRO stage and offload to judge remedies and checkpoint compatibility).
     deepspeed_config: Mapping[str, Any] | None = None
+    # hidden_size, num_layers, vocab_size from the model's config.json (policy.estimate.read_model_shape),
+    # so the policy can predict activation memory per micro-batch and sequence length.
+    model_shape: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)
