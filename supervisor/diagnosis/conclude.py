@@ -78,6 +78,7 @@ class _Root:
     phase: Phase
     notes: list[str] = field(default_factory=list)
     extra: list[Evidence] = field(default_factory=list)
+    line_rule: str | None = None  # the log rule that matched root.line_no, when not hit.rule
 
 
 def _signal_name(exit: ExitRecord | None) -> str | None:
@@ -231,12 +232,12 @@ def _diagnosis(root: _Root, state: ScanState, extra_summary: str = "") -> Diagno
         nums, frag = _oom_numbers(nums)
     evidence: list[Evidence] = []
     if root.line_no:
-        evidence.append(Evidence(line_no=root.line_no, text=root.text, rule=root.hit.rule))
+        evidence.append(Evidence(line_no=root.line_no, text=root.text, rule=root.line_rule or root.hit.rule))
     evidence.extend(root.extra)
     for f in state.findings:  # supporting lines: other decisive findings, kill markers, launcher summary
         if len(evidence) >= MAX_EVIDENCE:
             break
-        if f.line_no == root.line_no and f.rule == root.hit.rule:
+        if f.line_no == root.line_no and f.rule in (root.hit.rule, root.line_rule):
             continue
         if f.recovered or f.tier == HINT:
             continue
@@ -313,6 +314,7 @@ def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | Non
             line_no=at, text=kill_marker.text if kill_marker else "", rank=kill_marker.rank if kill_marker else None,
             phase=kill_marker.phase if kill_marker else state.context_phase,
             notes=[f"{what}, corroborated by: {', '.join(words)}"], extra=kernel_ev,
+            line_rule="sigkill" if kill_marker else None,
         )
     if state.min_loss_scale_overflows >= REPEATED_MIN_SCALE_OVERFLOWS:
         candidates.append(_Root(hit=Hit("loss_scale_stuck", Category.NUMERIC, ROOT, "loss_scale_at_minimum"),

@@ -54,7 +54,7 @@ KEYWORDS: tuple[str, ...] = (
     "batch size of", "loading weights", "Loading model",
     # vendor hints
     "HIP", "hip", "ROCm", "rocm", "gfx", "AMD_SERIALIZE", "RCCL", "MIOpen", "rocBLAS", "MI300",
-    "MI250", "MI210", "amdgpu", "CUDA", "NVIDIA", "NVRM", "CUBLAS", "cuBLAS",
+    "MI250", "MI210", "amdgpu", "CUDA", "NVIDIA", "NVRM", "CUBLAS", "cuBLAS", "detected platform",
 )
 
 # Prefixes that launchers and loggers put before the real text. Stripped
@@ -64,7 +64,7 @@ _PREFIX_RE = re.compile(
         \[(?:rank|default)(?P<rank>\d+)\]:\s?
       | \(\w+\s+pid=\d+\)\s*
       | (?:INFO|WARNING|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d\s+\d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s*
-      | \[[EWIF]\d{4}\s+[\d:.]+\s+(?:\d+\s+)?[\w.]+:\d+\]\s*
+      | \[?[EWIF]\d{4}\s+[\d:.]+\s+(?:\d+\s+)?[\w./-]+:\d+\]\s*
       | \[\d{4}-\d\d-\d\d[ T][\d:.,]+\]\s*(?:\[\w+\]\s*(?:\[[^\]]*\]\s*)?)?
       | \d{4}-\d\d-\d\d[ T][\d:.,]+Z?\s*(?:\|\s*\w+\s*\|\s*\w+\s*\|\s*)?
     )""",
@@ -79,13 +79,13 @@ FRAME_RE = re.compile(r'File "(?P<path>[^"]*)", line \d+, in (?P<func>[\w<>.]+)'
 ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 
 HIP_RE = re.compile(
-    r"HIP out of memory|HIP error|\bhip[A-Z]\w+|AMD_SERIALIZE_KERNEL|HSA_STATUS|Memory access fault by GPU"
+    r"HIP out of memory|HIP error|\bhip[A-Z]\w+|AMD_SERIALIZE_KERNEL|HSA_STATUS|Memory access fault by GPU|HW Exception by GPU"
     r"|\bgfx\d{3,4}\w*|\bMI\d{3}[A-Z]?\b|/rocm|\bROCm\b|\bRCCL\b|rocBLAS|hipBLAS|MIOpen|\bamdgpu\b"
-    r"|libamdhip64|HIPBLAS_STATUS|rocblas_status"
+    r"|libamdhip64|HIPBLAS_STATUS|rocblas_status|detected platform rocm"
 )
 CUDA_RE = re.compile(
     r"CUDA out of memory|CUDA error|CUDA_LAUNCH_BLOCKING|CUBLAS_STATUS|cuBLAS|CUDNN_STATUS|cuDNN"
-    r"|\bNVIDIA\b|\bNVRM\b|nvidia-smi|\bNVML\b|\bcudaError\w+|\bsm_\d{2,3}\b"
+    r"|\bNVIDIA\b|\bNVRM\b|nvidia-smi|\bNVML\b|\bcudaError\w+|\bsm_\d{2,3}\b|detected platform cuda"
 )
 
 # --- phase markers --------------------------------------------------------
@@ -234,8 +234,9 @@ _DRIVER_OOM_RE = re.compile(
     r"|cuda runtime error \(2\) : out of memory|(?P<lib>CUBLAS|HIPBLAS|CUDNN|CUSOLVER|CUSPARSE|CUFFT)_STATUS_ALLOC_FAILED"
     r"|rocblas_status_memory_error|miopenStatusAllocFailed|MIOpen(?: Error)?:.*(?:[Mm]emory allocation failed|alloc)"
     r"|HSA_STATUS_ERROR_OUT_OF_RESOURCES|(?P<nccl>Cuda|HIP|Hip) failure '?out of memory'?"
-    r"|rocBLAS.*(?:memory allocation|alloc).*fail"
+    r"|rocBLAS.*(?:memory allocation|alloc).*fail|Memory not available to allocate buffer|HIP_ERROR_OutOfMemory"
 )
+_BUFFER_BYTES_RE = re.compile(r"allocate buffer: (\d+)|failed to allocate [\d.]+\w? \((\d+) bytes\)")
 _PINNED_RE = re.compile(r"HostAllocator|cudaHostAlloc|hipHostMalloc|hipHostAlloc|pin_memory|pinned memory")
 
 _VLLM_KV_RE = re.compile(
@@ -314,7 +315,7 @@ _CONFIG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
             r"|DeepSpeedConfigError|Extra inputs are not permitted.*extra_forbidden"
         ),
     ),
-    ("allocator_conf", re.compile(r"Unrecognized CachingAllocator option|Unrecognized key '[^']*' in (?:Caching)?Allocator")),
+    ("allocator_conf", re.compile(r"Unrecognized CachingAllocator option|Unrecognized key '[^']*' in \w+ allocator config")),
     ("checkpoint_incompatible", re.compile(r"Can't find a valid checkpoint at|ZeRORuntimeException")),
     ("incomplete_checkpoint", re.compile(r"checkpoint-\d+/trainer_state\.json")),
     ("output_dir", re.compile(r"Output directory \S+ already exists and is not empty")),
@@ -405,16 +406,21 @@ def classify(seg: Segment) -> list[Hit]:
                     ROOT if exc_form else HINT, "allocator", fatal=exc_form,
                     numbers=gpu_oom_numbers(t), vendor=vendor, exc=seg.exc)
             )
-    if "out of memory" in t or "ALLOC_FAILED" in t or "OutOfMemory" in t or "alloc" in t.lower():
+    if "emory" in t or "lloc" in t or "ALLOC" in t or "RESOURCES" in t:
         m = _DRIVER_OOM_RE.search(t)
-        if m:
-            vendor = {"CUDA": "cuda", "HIP": "hip"}.get(m.group("vendor") or "")
+        if m and not (hits and hits[0].rule.startswith("torch_oom")):
+            vendor = {"CUDA": "cuda", "HIP": "hip", "Cuda": "cuda", "Hip": "hip"}.get(m.group("vendor") or m.group("nccl") or "")
             if "hip" in m.group(0).lower() or "rocblas" in m.group(0).lower() or "MIOpen" in m.group(0):
                 vendor = "hip"
             if _PINNED_RE.search(t):
                 hits.append(Hit("pinned_host_oom", Category.HOST_OOM, ROOT, "pinned", fatal=True, vendor="cpu", exc=seg.exc))
             else:
-                hits.append(Hit("driver_oom", Category.GPU_OOM, ROOT, "driver", fatal=True, vendor=vendor, exc=seg.exc))
+                nums = {}
+                b = _BUFFER_BYTES_RE.search(t)
+                if b:
+                    nums["tried_to_allocate"] = int(b.group(1) or b.group(2))
+                hits.append(Hit("driver_oom", Category.GPU_OOM, ROOT, "driver", fatal=True, numbers=nums,
+                                vendor=vendor, exc=seg.exc))
     if "memory" in t or "KV cache" in t:
         m = _VLLM_KV_RE.search(t)
         if m:
@@ -477,7 +483,7 @@ def classify(seg: Segment) -> list[Hit]:
     # Configuration.
     for name, rx in _CONFIG_RULES:
         m = rx.search(t)
-        if m and (exc_form or name in ("deepspeed_config", "unknown_keys", "allocator_conf")):
+        if m and (exc_form or name in ("deepspeed_config", "unknown_keys")):
             hits.append(Hit(name, Category.CONFIG_ERROR, ROOT, name, exc=seg.exc))
             break
 

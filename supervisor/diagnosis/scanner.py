@@ -355,10 +355,10 @@ class LogScanner:
             if hit.rule == "driver_oom" and rules._PINNED_RE.search(funcs + " " + paths):
                 hit = Hit("pinned_host_oom", Category.HOST_OOM, hit.tier, "pinned", fatal=True, vendor="cpu", exc=hit.exc)
             if "deepspeed/runtime/zero" in paths or "deepspeed/runtime/swap_tensor" in paths:
-                if "swap_tensor" in paths or "offload" in paths or "offload" in funcs:
-                    notes.append("inside DeepSpeed ZeRO offload")
-                elif "partition_parameters" in paths or "all_gather" in funcs or "fetch_sub_module" in funcs:
+                if "partition_parameters" in paths or "all_gather" in funcs or "fetch_sub_module" in funcs:
                     notes.append("inside DeepSpeed ZeRO-3 parameter gather")
+                elif "swap_tensor" in paths or "offload" in funcs or "pin_memory" in funcs or hit.subkind == "pinned":
+                    notes.append("inside DeepSpeed ZeRO offload")
                 else:
                     notes.append("inside DeepSpeed ZeRO")
         phase = self._phase_from_frames(frames) if frames and seg.exc is not None else None
