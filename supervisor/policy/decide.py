@@ -27,6 +27,7 @@ from ..models import (
     Phase,
 )
 from . import rungs as R
+from . import search as S
 from .estimate import model_states
 from .schema import ENV_ONLY_RUNGS, Policy
 
@@ -220,18 +221,34 @@ def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnos
     if diag.category == Category.HOST_OOM and v.setup.offload_param:
         return _step_back_from_param_offload(job, current, diag, policy, failed, has_checkpoint)
 
+    def kwargs_for(name: str) -> dict[str, Any]:
+        if name == "micro_batch":
+            return {"resuming": has_checkpoint, "margin": policy.shortfall_margin}
+        if name in _OFFLOAD:
+            return {"has_checkpoint": has_checkpoint}
+        if name == "grad_checkpointing":
+            return {"host_pressure": diag.category == Category.HOST_OOM}
+        return {}
+
+    order = _order(job, diag, policy, current)
+    if (diag.category == Category.GPU_OOM and diag.subkind not in R.NON_CACHING_SUBKINDS
+            and diag.phase in (Phase.TRAIN_STEP, Phase.UNKNOWN, Phase.MODEL_LOAD)):
+        rest = [r for r in policy.ladder if r in order or (diag.phase == Phase.MODEL_LOAD and r != "eval_batch"
+                                                          and (job.kind == "llamafactory" or r in ENV_ONLY_RUNGS))]
+        expand = S.expansions_for(job, diag, policy, mem, _RUNGS, kwargs_for)
+        step = S.choose(job, current, diag, policy, mem, history, order, rest, expand, failed)
+        if step is not None:
+            what = S.describe(step)
+            reason = (f"{where}{short}; predicted to fit at ~{_gib(step.need)} of {_gib(mem.capacity)} "
+                      f"(estimated speed x{step.speed / max(1e-9, S.speed(job, current)):.2f}): {what}")
+            return Decision(DecisionKind.ESCALATE, reason, rung="+".join(step.names), overrides=step.overrides,
+                            changes=_changes(current, step.overrides, what))
+
     skipped: list[str] = []
     partial: list[tuple[int, str, R.Applied]] = []
-    for name in _order(job, diag, policy, current):
+    for name in order:
         fn = _RUNGS[name]
-        kwargs: dict[str, Any] = {}
-        if name == "micro_batch":
-            kwargs = {"resuming": has_checkpoint, "margin": policy.shortfall_margin}
-        elif name in _OFFLOAD:
-            kwargs = {"has_checkpoint": has_checkpoint}
-        elif name == "grad_checkpointing":
-            kwargs = {"host_pressure": diag.category == Category.HOST_OOM}
-        result = fn(job, current, diag, policy, mem, **kwargs)
+        result = fn(job, current, diag, policy, mem, **kwargs_for(name))
         if isinstance(result, R.Skipped):
             skipped.append(f"{name}: {result.why}")
             continue

@@ -210,8 +210,15 @@ def _divisors_below(n: int, below: int) -> list[int]:
     return [d for d in range(below - 1, 0, -1) if n % d == 0]
 
 
+def micro_batch_options(job: JobContext, ov: Overrides, policy: Policy) -> list[int]:
+    """Every smaller micro-batch that keeps micro x accumulation exactly (largest first)."""
+    v = view_of(job, ov)
+    floor = policy.rungs.micro_batch.floor
+    return [d for d in _divisors_below(v.micro * v.accum, v.micro) if d >= floor]
+
+
 def micro_batch(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, mem: Memory,
-                *, resuming: bool = False, margin: float = 1.0) -> Applied | Skipped:
+                *, resuming: bool = False, margin: float = 1.0, target: int | None = None) -> Applied | Skipped:
     if job.kind != "llamafactory":
         return Skipped("not a LLaMA-Factory job")
     v = view_of(job, ov)
@@ -228,7 +235,11 @@ def micro_batch(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy,
         return Skipped(f"no micro-batch below {v.micro} divides {v.micro} x {v.accum} = {per_device} "
                        "exactly, so the effective batch could not stay the same")
     new = next((d for d in options if d <= v.micro / 2), options[-1])
-    if mem.activations is not None and mem.shortfall is not None:
+    if target is not None:
+        if target not in options:
+            return Skipped(f"micro-batch {target} does not split {per_device} exactly")
+        new = target
+    elif mem.activations is not None and mem.shortfall is not None:
         # The largest exact split that closes the shortfall, when the numbers tell.
         need = mem.shortfall * margin
         fitting = [d for d in options if mem.activations * (1 - d / v.micro) >= need]

@@ -113,6 +113,10 @@ class Policy(_Strict):
     # checkpoints it already wrote; with this false such a rung is skipped.
     allow_restart_for_deepspeed: bool = False
     shortfall_margin: float = Field(1.15, ge=1.0)
+    # A configuration is predicted to fit when it needs at most (1 - fit_headroom) of the GPU.
+    fit_headroom: float = Field(0.05, ge=0.0, lt=0.5)
+    # Combine up to this many rungs into one step when no single one is predicted to fit.
+    max_combined_rungs: int = Field(3, ge=1, le=4)
 
     @model_validator(mode="after")
     def _ladder(self) -> Policy:
