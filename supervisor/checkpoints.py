@@ -21,7 +21,10 @@ the module's report):
 * micro-batch x grad-accum changed, product (x world size) kept: exact; transformers < 5.2 reads
   the checkpoint's `train_batch_size` back (so the smaller micro-batch would silently not apply):
   the plan patches trainer_state.json after backing it up.
-* DeepSpeed ZeRO-3 offload on/off, same world size: exact (same file layout).
+* DeepSpeed ZeRO-3, same world size: turning optimizer offload OFF resumes exactly (observed,
+  losses identical); turning it ON does not (observed: the first step after loading dies with
+  KeyError 'bias_correction' in DeepSpeedCPUAdam), so it is treated as incompatible when the
+  previous shape is known.
 * no DeepSpeed -> DeepSpeed: transformers raises `Can't find a valid checkpoint`.
 * DeepSpeed -> no DeepSpeed: weights load, optimizer AND LR scheduler silently restart.
 * ZeRO-1/2 <-> ZeRO-3, or a different world size under DeepSpeed: optimizer state does not load.
@@ -505,7 +508,7 @@ def plan_resume(
     src_world = ckpt.world_size or (prev.world_size if prev else None)
     dst_stage = nxt.deepspeed_stage
 
-    why_not = _optimizer_state_incompatibility(ckpt, src_stage, src_world, nxt)
+    why_not = _optimizer_state_incompatibility(ckpt, src_stage, src_world, prev, nxt)
     if why_not is None:
         return _exact(ckpt, prev, nxt, transformers_version)
 
@@ -526,7 +529,8 @@ def plan_resume(
 
 
 def _optimizer_state_incompatibility(
-    ckpt: Checkpoint, src_stage: int | None, src_world: int | None, nxt: RunShape
+    ckpt: Checkpoint, src_stage: int | None, src_world: int | None, prev: RunShape | None,
+    nxt: RunShape,
 ) -> str | None:
     """Why the checkpoint's optimizer state cannot be loaded by the next run, or None."""
     dst_stage = nxt.deepspeed_stage
@@ -544,6 +548,12 @@ def _optimizer_state_incompatibility(
             return f"DeepSpeed without ZeRO -> ZeRO-{dst_stage}"
         if src_world is not None and src_world != nxt.world_size:
             return f"world size {src_world} -> {nxt.world_size}: ZeRO shards are per rank"
+        if prev is not None and not prev.offload_optimizer and nxt.offload_optimizer:
+            # Observed (DeepSpeed 0.19.8, transformers 5.6): the state loads, then the first
+            # step dies in DeepSpeedCPUAdam with KeyError: 'bias_correction' (torch AdamW's
+            # param_groups lack it). Offload ON -> OFF resumes exactly.
+            return ("turning ZeRO optimizer offload on: the saved torch-AdamW state does not fit"
+                    " DeepSpeedCPUAdam (KeyError 'bias_correction' at the first step)")
     return None
 
 
