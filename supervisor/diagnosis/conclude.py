@@ -3,14 +3,17 @@
 Root-cause order (documented here, tested in tests/diagnosis):
   1. The supervisor's own stops: `cancel`/`shutdown` are not failures (unknown);
      returncode 0 is success (an OOM the program retried is mentioned).
-  2. Among the log's decisive findings the lowest tier wins, and within a tier
-     the EARLIEST line wins:
+  2. Among the log's decisive findings:
        tier 1 ROOT  gpu_oom, host_oom, device_fault, disk_full, config_error, numeric
        tier 2 COMM  NCCL/RCCL watchdog timeouts and errors, rendezvous/socket errors
        tier 3 CRASH other Python exceptions, segfault, abort, device-side assert
-     So an illegal memory access that later trips the NCCL watchdog is a
-     device_fault, and an OOM on rank 3 that makes rank 0 time out is a gpu_oom,
-     whatever order the ranks' lines reach the log in.
+     the EARLIEST tier-1 line wins, whatever else the log holds: an illegal
+     memory access that trips the NCCL watchdog is a device_fault, and an OOM
+     on rank 3 that makes rank 0 time out is a gpu_oom, whatever order the
+     ranks' lines reach the log in (stderr of different ranks is flushed
+     independently). Without a tier-1 finding the earliest tier-2/3 line wins:
+     a KeyError on rank 1 that leaves rank 0 waiting in the watchdog is a
+     crash, a watchdog timeout followed by the aborts it causes is comm.
   3. A SIGKILL (exit -9/137, torchrun `exitcode : -9`, `Signal 9 (SIGKILL)`)
      is host_oom only when memory evidence corroborates it: the cgroup's
      oom_kill counter > 0, a kernel OOM line (HostEvidence or the log), or
@@ -300,11 +303,12 @@ def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | Non
     cgroup_kills = bool(host and host.cgroup_oom_kills)
 
     candidates: list[_Root] = []
-    for tier in (ROOT, COMM, CRASH):
-        f = _pick(active, tier)
-        if f is not None:
-            candidates.append(_root_of(f))
-            break
+    first = _pick(active, ROOT)
+    if first is None:
+        later = [f for f in (_pick(active, COMM), _pick(active, CRASH)) if f is not None]
+        first = min(later, key=lambda f: (f.line_no, f.seq)) if later else None
+    if first is not None:
+        candidates.append(_root_of(first))
     host_root: _Root | None = None
     if words and (killed or cgroup_kills):
         at = kill_marker.line_no if kill_marker else 0
@@ -380,4 +384,4 @@ def _choose(candidates: list[_Root], host_root: _Root | None) -> _Root | None:
         # known only at the end, so any earlier line-located root cause explains more.
         return min(tier1, key=lambda c: (c.line_no == 0, c.line_no))
     rest = [c for c in candidates if c.hit.tier in (COMM, CRASH)]
-    return min(rest, key=lambda c: (c.hit.tier, c.line_no)) if rest else None
+    return min(rest, key=lambda c: c.line_no) if rest else None

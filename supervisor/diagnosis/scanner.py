@@ -56,6 +56,8 @@ MAX_WATCH = 32
 _PREFILTER_PATTERN = b"|".join(re.escape(k.encode()) for k in rules.KEYWORDS)
 _PREFILTER_TEXT = re.compile("|".join(re.escape(k) for k in rules.KEYWORDS))
 _BAR_RE = re.compile(rb"%\|[^|\r\n]{0,200}\|\s*(\d+)/(\d+) \[")
+# A tqdm bar left without a newline, glued in front of the text that followed it.
+_BAR_PREFIX_RE = re.compile(r"^[^|\n]{0,120}\d+%\|[^|]{0,200}\|[^\]]{0,200}\]")
 
 
 def _compile_prefilter() -> Any:
@@ -227,6 +229,8 @@ class LogScanner:
         while len(data) >= block and data.find(b"\n", 0, block) < 0:
             window = data[:block]
             line_no = self._lines + 1
+            if self._needle is None:
+                self._discover_total(window)
             self._scan_matches(window, line_no, fatal, count_lines=False)
             self._scan_progress(window, self._lines, 0)
             data = data[LONG_LINE:]
@@ -235,6 +239,9 @@ class LogScanner:
     def _scan_region(self, region: bytes, fatal: list[Evidence]) -> None:
         """Process complete lines (`region` ends with a newline)."""
         base = self._lines
+        if self._needle is None:
+            # Before the candidates: their phase and "progress after an OOM" need the bar's total.
+            self._discover_total(region)
         nlines = self._scan_matches(region, base + 1, fatal, count_lines=True)
         self._scan_progress(region, base, nlines)
         self._lines = base + nlines
@@ -327,7 +334,7 @@ class LogScanner:
             for w in self._watch:
                 if w.line_no < line_no:
                     w.recovered = True
-                    w.notes.append(f"retried by the program (line {line_no}: {t.strip()[:120]})")
+                    w.notes.append(f"the program restarted with a smaller batch at line {line_no}")
         if "OVERFLOW" in t:
             m = rules.LOSS_SCALE_RE.search(t)
             if m and int(m.group(1)) <= 1:
@@ -364,7 +371,7 @@ class LogScanner:
         phase = self._phase_from_frames(frames) if frames and seg.exc is not None else None
         if phase is None:
             phase = self._context_phase(buf, ls, line_no)
-        text = seg.raw.strip()
+        text = _BAR_PREFIX_RE.sub("", seg.raw).strip() or seg.raw.strip()
         if len(text) > EVIDENCE_CHARS:
             text = text[:EVIDENCE_CHARS] + "..."
         self._seq += 1
@@ -407,9 +414,7 @@ class LogScanner:
 
     def _scan_progress(self, region: bytes, base: int, nlines: int) -> None:
         if self._needle is None:
-            self._discover_total(region)
-            if self._needle is None:
-                return
+            return
         p = region.rfind(self._needle)
         if p < 0:
             return
