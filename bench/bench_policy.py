@@ -32,12 +32,12 @@ import itertools
 import json
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from supervisor.models import (  # noqa: E402
+from supervisor.models import (
     AttemptRecord,
     Category,
     DecisionKind,
@@ -47,9 +47,9 @@ from supervisor.models import (  # noqa: E402
     Overrides,
     Phase,
 )
-from supervisor.policy import BUILTIN_POLICY_DIR, decide, load_policy  # noqa: E402
-from supervisor.policy.estimate import shape_from_config  # noqa: E402
-from supervisor.policy.rungs import view_of  # noqa: E402
+from supervisor.policy import BUILTIN_POLICY_DIR, decide, load_policy
+from supervisor.policy.estimate import shape_from_config
+from supervisor.policy.rungs import view_of
 
 GiB = 1 << 30
 MODELS = {  # name: config.json numbers (Qwen2.5 / Llama-3 shapes)

@@ -19,9 +19,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..models import AttemptRecord, Category, Diagnosis, DecisionKind, ExitRecord, JobContext, Overrides, Phase
+from ..models import (
+    AttemptRecord,
+    Category,
+    DecisionKind,
+    Diagnosis,
+    ExitRecord,
+    JobContext,
+    Overrides,
+    Phase,
+)
 from .decide import decide
-from .estimate import GiB, ModelShape, activation_bytes, deepspeed_estimates, model_states, read_model_shape
+from .estimate import (
+    GiB,
+    ModelShape,
+    activation_bytes,
+    deepspeed_estimates,
+    model_states,
+    read_model_shape,
+)
 from .render import render_attempt
 from .rungs import view_of
 from .schema import BUILTIN_POLICY_DIR, PolicyError, load_policy

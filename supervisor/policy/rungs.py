@@ -331,11 +331,11 @@ def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offlo
                    {"host_need": host_need})
 
 
-def zero3_offload_optimizer(job, ov, diag, policy, mem, *, has_checkpoint=False):  # noqa: ANN001
+def zero3_offload_optimizer(job, ov, diag, policy, mem, *, has_checkpoint=False):
     return _zero3(job, ov, mem, policy, offload_param=False, has_checkpoint=has_checkpoint)
 
 
-def zero3_offload_param(job, ov, diag, policy, mem, *, has_checkpoint=False):  # noqa: ANN001
+def zero3_offload_param(job, ov, diag, policy, mem, *, has_checkpoint=False):
     return _zero3(job, ov, mem, policy, offload_param=True, has_checkpoint=has_checkpoint)
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor.models import AttemptRecord, Category, Diagnosis, ExitRecord, JobContext, Overrides, Phase
+from supervisor.models import (
+    AttemptRecord,
+    Category,
+    Diagnosis,
+    ExitRecord,
+    JobContext,
+    Overrides,
+    Phase,
+)
 
 GiB = 1 << 30
 

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -29,7 +28,7 @@ LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 
 def run_py(code: str, env_extra: dict[str, str], timeout: int = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def test_hook_does_not_import_torch_in_processes_that_do_not(tmp_path):
@@ -128,11 +127,10 @@ def test_rendered_files_pass_llamafactorys_own_parser(tmp_path, default_policy):
     pytest.importorskip("llamafactory", reason="llamafactory not installed")
     pytest.importorskip("deepspeed", reason="deepspeed not installed")
     from supervisor.jobspec import parse_job_text
-    from supervisor.models import Phase
+    from supervisor.models import Overrides, Phase
     from supervisor.policy import decide, render_attempt
 
     from .builders import attempt, job, oom
-    from supervisor.models import Overrides
 
     spec = parse_job_text("model_name_or_path: /m\nstage: sft\ndo_train: true\nfinetuning_type: full\n"
                           "dataset: d\ntemplate: default\noutput_dir: out\nper_device_train_batch_size: 4\n"
@@ -150,3 +148,35 @@ def test_rendered_files_pass_llamafactorys_own_parser(tmp_path, default_policy):
                         "MASTER_PORT": "29613", "DS_ACCELERATOR": "cpu"}, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-4:] == [str(tmp_path / "ds_config.json"), "False", "1e-05", "True"]
+
+
+@pytest.mark.ml
+def test_allocator_strings_we_generate_parse_in_the_installed_torch(default_policy):
+    """Unknown allocator options abort a run; the installed torch's own parser must accept ours."""
+    pytest.importorskip("torch")
+    from supervisor.models import Overrides
+    from supervisor.policy import decide
+
+    from .builders import attempt, job, oom
+
+    strings, ov = [], Overrides()
+    j = job(torch_version="2.14.1", kind="command")
+    for n in range(1, 6):
+        d = decide(j, [attempt(n, ov, oom(frag=True, vendor="cuda"))], oom(frag=True, vendor="cuda"),
+                   default_policy)
+        if d.overrides is None or "PYTORCH_CUDA_ALLOC_CONF" not in d.overrides.env:
+            break
+        ov = d.overrides
+        strings.append(ov.env["PYTORCH_CUDA_ALLOC_CONF"])
+    ov2 = decide(j, [attempt(1, Overrides(), oom(subkind="library"))], oom(subkind="library"), default_policy)
+    strings.append(ov2.overrides.env["PYTORCH_CUDA_ALLOC_CONF"])
+    assert any("expandable_segments:True" in s for s in strings)
+    assert any("per_process_memory_fraction:0.88" in s for s in strings)
+    code = ("import json, sys, torch\n"
+            "for s in json.loads(sys.argv[1]): torch.cuda.memory._set_allocator_settings(s)\n"
+            "try:\n    torch.cuda.memory._set_allocator_settings('bogus_option:1')\nexcept Exception:\n"
+            "    print('refuses unknown')\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(strings)], check=False, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "refuses unknown"

@@ -11,12 +11,11 @@ import yaml
 
 from supervisor.deepspeed_config import validate_deepspeed_config, zero3_offload_config
 from supervisor.jobspec import parse_job_text
-from supervisor.models import Overrides
+from supervisor.models import Overrides, Phase
 from supervisor.policy import decide, render_attempt
 from supervisor.policy.render import HOOK_DIR
 
 from .builders import attempt, job, oom
-from supervisor.models import Phase
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 ATTEMPT = Path("/var/lib/oom-supervisor/jobs/3/attempt_2")

@@ -78,7 +78,7 @@ def test_search_never_proposes_a_configuration_that_failed(default_policy):
 
 
 def test_bench_meets_its_targets():
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_policy.py"), "--json"],
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "bench_policy.py"), "--json"], check=False,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)
