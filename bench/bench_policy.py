@@ -99,13 +99,15 @@ class Config:
     gc: int  # 0 off, 1 on, 2 on + activations offloaded (unsloth)
     zero: int  # 0 none, 1 ZeRO-3 + optimizer offload, 2 + parameter offload
     allocator: bool
+    seq: int | None = None  # cutoff_len when a data-changing policy shortened it
 
 
 def config_of(case: Case, ov: Overrides, ctx: JobContext) -> Config:
     v = view_of(ctx, ov)
     gc = 0 if not v.gc_on else (2 if v.unsloth_gc else 1)
     zero = 0 if v.setup.zero_stage != 3 else (2 if v.setup.offload_param else 1)
-    return Config(v.micro, v.accum, gc, zero, "PYTORCH_CUDA_ALLOC_CONF" in ov.env)
+    return Config(v.micro, v.accum, gc, zero, "PYTORCH_CUDA_ALLOC_CONF" in ov.env,
+                  v.cutoff if v.cutoff != case.seq else None)
 
 
 def true_memory(case: Case, cfg: Config) -> tuple[int, int, int, int]:
@@ -120,10 +122,11 @@ def true_memory(case: Case, cfg: Config) -> tuple[int, int, int, int]:
         states, host, weights = 2 * p + 4 * lil + 0.6 * GiB, 12 * trainable * 1.3, 2 * p
     else:
         states, host, weights = 4 * lil + 1.2 * GiB, (12 * trainable + 2 * p) * 1.3, 4 * lil
-    sbh = cfg.micro * case.seq * shape.hidden_size
+    seq = cfg.seq or case.seq
+    sbh = cfg.micro * seq * shape.hidden_size
     layers = shape.num_layers
     act = {0: 34 * sbh * layers, 1: 2 * sbh * layers + 34 * sbh, 2: 0.15 * sbh * layers + 34 * sbh}[cfg.gc]
-    logits = 4 * cfg.micro * case.seq * shape.vocab_size
+    logits = 4 * cfg.micro * seq * shape.vocab_size
     peak = states + act + 1.5 * logits + OVERHEAD
     if case.fragmented and not cfg.allocator:
         peak *= 1 + FRAG_SHARE
@@ -135,7 +138,7 @@ def throughput(case: Case, cfg: Config) -> float:
     """Tokens per second."""
     shape = shape_from_config(MODELS[case.model])
     p = shape.params
-    tokens = cfg.micro * case.seq
+    tokens = cfg.micro * (cfg.seq or case.seq)
     eff = tokens / (tokens + 1536)  # small micro-batches use the GPU less well
     flops = (6 if case.finetuning == "full" else 4) * p * tokens * (1 + (cfg.gc >= 1) / 3)
     compute = flops / (GPU_FLOPS * eff) * (1.05 if cfg.gc == 2 else 1.0)
@@ -261,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed_escalations_median": statistics.median(esc) if esc else None,
         "failed_escalations_p90": pct(esc, 0.9) if esc else None,
         "failed_escalations_max": max(esc) if esc else None,
+        "chose_shorter_cutoff": sum(1 for r in fitted if r["config"].seq),
         "throughput_vs_best_median": round(statistics.median(ratios), 3) if ratios else None,
         "throughput_vs_best_p10": round(pct(ratios, 0.1), 3) if ratios else None,
         "share_within_10pct_of_best": round(sum(r >= 0.9 for r in ratios) / len(ratios), 3) if ratios else None,

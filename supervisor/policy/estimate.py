@@ -64,6 +64,16 @@ def read_model_shape(model_dir: str | Path) -> ModelShape | None:
         return None
 
 
+def context_fields(shape: ModelShape | None) -> dict[str, Any]:
+    """JobContext keyword arguments for a model shape (empty when unknown):
+    `JobContext(..., **context_fields(read_model_shape(model_dir)))`."""
+    if shape is None:
+        return {}
+    return {"param_count": shape.params, "largest_layer_params": shape.largest_layer_params,
+            "model_shape": {"hidden_size": shape.hidden_size, "num_layers": shape.num_layers,
+                            "vocab_size": shape.vocab_size}}
+
+
 def zero3_model_states(total_params: int, largest_layer_params: int, *, num_gpus_per_node: int = 1,
                        num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
                        zero_init: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:

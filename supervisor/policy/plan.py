@@ -34,6 +34,7 @@ from .estimate import (
     GiB,
     ModelShape,
     activation_bytes,
+    context_fields,
     deepspeed_estimates,
     model_states,
     read_model_shape,
@@ -66,9 +67,7 @@ def _context(spec: Any, shape: ModelShape | None, gpu_gib: float | None) -> JobC
             ds_cfg = None
     return JobContext(id=0, name=spec.name, kind=spec.kind, config=spec.config, world_size=spec.world_size,
                       max_attempts=spec.sup.max_attempts or 8,
-                      param_count=shape.params if shape else None,
-                      largest_layer_params=shape.largest_layer_params if shape else None,
-                      gpu_capacity_bytes=int(gpu_gib * GiB) if gpu_gib else None, deepspeed_config=ds_cfg)
+                      **context_fields(shape), gpu_capacity_bytes=int(gpu_gib * GiB) if gpu_gib else None, deepspeed_config=ds_cfg)
 
 
 def _estimate(ctx: JobContext, ov: Overrides, shape: ModelShape | None) -> dict[str, Any]:
