@@ -136,15 +136,15 @@ def deepspeed_schema() -> dict[str, Any]:
     seen: set[str] = set()
 
     class Recording(dict):
-        def get(self, k, *a):  # noqa: ANN001
+        def get(self, k, *a):
             seen.add(k)
             return super().get(k, *a)
 
-        def __contains__(self, k):  # noqa: ANN001
+        def __contains__(self, k):
             seen.add(k)
             return super().__contains__(k)
 
-        def __getitem__(self, k):  # noqa: ANN001
+        def __getitem__(self, k):
             seen.add(k)
             return super().__getitem__(k)
 
