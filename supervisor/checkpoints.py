@@ -60,6 +60,12 @@ BATCH_SIZE_RESTORE_FIXED_IN = (5, 2)
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# LLaMA-Factory's CHECKPOINT_NAMES (+ the shards an index names): final weights in output_dir.
+_FINAL_WEIGHTS_RE = re.compile(
+    r"^(?:adapter_model\.(?:safetensors|bin)|model\.safetensors(?:\.index\.json)?"
+    r"|pytorch_model\.bin(?:\.index\.json)?|model-\d+-of-\d+\.safetensors"
+    r"|pytorch_model-\d+-of-\d+\.bin)$"
+)
 _RNG_RANK_RE = re.compile(r"^rng_state_(\d+)\.pth$")
 _OPTIM_SHARD_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -382,14 +388,27 @@ def apply_fixups(plan: ResumePlan, *, python: str | None = None) -> list[str]:
 
 
 def _archive_checkpoints(fx: Fixup) -> list[str]:
+    """Move checkpoint-N folders, and final weights in the output dir itself, into fx.target.
+
+    Final weights too: with them and no checkpoint, LLaMA-Factory refuses to start ("Output
+    directory already exists and is not empty").
+    """
     assert fx.target is not None
-    names = sorted(n for n in os.listdir(fx.path) if CHECKPOINT_RE.match(n) and (fx.path / n).is_dir())
+    entries = os.listdir(fx.path)
+    names = sorted(n for n in entries if CHECKPOINT_RE.match(n) and (fx.path / n).is_dir())
+    finals = sorted(n for n in entries if _FINAL_WEIGHTS_RE.match(n) and (fx.path / n).is_file())
     if names and fx.target.exists() and any((fx.target / n).exists() for n in names):
         raise FileExistsError(f"{fx.target} already holds {names}: refusing to merge archives")
     fx.target.mkdir(parents=True, exist_ok=True)
     for n in names:
         os.rename(fx.path / n, fx.target / n)
-    return [f"moved {n} to {fx.target}" for n in names]
+    if finals:
+        (fx.target / "final-weights").mkdir(exist_ok=True)
+        for n in finals:
+            os.rename(fx.path / n, fx.target / "final-weights" / n)
+    return [f"moved {n} to {fx.target}" for n in names] + (
+        [f"moved final weights ({', '.join(finals)}) to {fx.target / 'final-weights'}"] if finals else []
+    )
 
 
 def _patch_train_batch_size(fx: Fixup) -> str:
