@@ -454,22 +454,21 @@ class Runner:
                 "_job_notify": spec_notify, **extra}
 
     def _context(self, job: JobRow, spec) -> JobContext:
-        params = largest = None
-        try:
-            from .policy.estimate import model_param_counts
+        """What the pure policy may know, gathered here at the edge."""
+        shape_fields: dict[str, Any] = {}
+        model = spec.config.get("model_name_or_path")
+        if model:
+            from .policy.estimate import context_fields, read_model_shape
 
-            counts = model_param_counts(spec.config, workdir=spec.workdir)
-            if counts:
-                params, largest = counts
-        except Exception:
-            pass
+            local = spec.resolve(str(model))
+            shape_fields = context_fields(read_model_shape(local)) if local.exists() else {}
         versions = self._versions_for(spec) if spec.kind == "llamafactory" else {}
         return JobContext(
             id=job.id, name=job.name, kind=spec.kind, config=dict(spec.config), world_size=spec.world_size,
-            max_attempts=spec.sup.max_attempts or 8, param_count=params, largest_layer_params=largest,
-            host_ram_bytes=psutil.virtual_memory().total, torch_version=versions.get("torch"),
-            transformers_version=versions.get("transformers"),
-            uses_vllm=str(spec.config.get("infer_backend", "")).lower() == "vllm")
+            max_attempts=spec.sup.max_attempts or 8, host_ram_bytes=psutil.virtual_memory().total,
+            torch_version=versions.get("torch"), transformers_version=versions.get("transformers"),
+            uses_vllm=str(spec.config.get("infer_backend", "")).lower() == "vllm",
+            deepspeed_config=_ds_of(spec, Overrides()), **shape_fields)
 
     def _history(self, job_id: int) -> list[AttemptRecord]:
         out = []

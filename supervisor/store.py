@@ -208,11 +208,16 @@ class Store:
             raise SchemaTooNew(
                 f"{self.path} has schema version {version}; this oom-supervisor knows up to "
                 f"{SCHEMA_VERSION}. Upgrade oom-supervisor instead of downgrading the state.")
-        for i in range(version, SCHEMA_VERSION):
+        while version < SCHEMA_VERSION:
             with self.tx() as c:
-                for stmt in _statements(MIGRATIONS[i]):
+                # Re-read under the write lock: another process may have migrated meanwhile.
+                version = c.execute("PRAGMA user_version").fetchone()[0]
+                if version >= SCHEMA_VERSION:
+                    break
+                for stmt in _statements(MIGRATIONS[version]):
                     c.execute(stmt)
-                c.execute(f"PRAGMA user_version={i + 1}")
+                c.execute(f"PRAGMA user_version={version + 1}")
+            version += 1
 
     # --- meta -----------------------------------------------------------------
     def get_meta(self, key: str, default: str | None = None) -> str | None:

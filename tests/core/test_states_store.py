@@ -69,3 +69,23 @@ def test_nested_transaction_rolls_back_whole(tmp_path):
             st.add_job(name="a", kind="command", priority=0, policy=None, workdir="/", source=None, spool_key=None)
             raise RuntimeError("crash before commit")
     assert st.jobs() == []
+
+
+def test_concurrent_first_open_migrates_once(tmp_path):
+    """The daemon and a CLI command may create the database at the same moment."""
+    import threading
+
+    errors = []
+
+    def open_it():
+        try:
+            Store(tmp_path / "race.sqlite3").close()
+        except Exception as exc:  # pragma: no cover - the failure being tested for
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_it) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
