@@ -21,40 +21,28 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.diagnosis.fastre import compile_search
 from supervisor.diagnosis.sizes import SIZE, parse_size
 from supervisor.models import Category, Phase
 
 ROOT, COMM, CRASH, MARKER, HINT = 1, 2, 3, 4, 5
 
-# The prefilter: a line is looked at only if it holds one of these. Keep every
-# rule's trigger covered here (tests check it). Case matters: variants are listed.
-KEYWORDS: tuple[str, ...] = (
-    # exceptions, tracebacks
-    "Error", "error", "ERROR", "Exception", "Traceback", 'File "', "Interrupt",
-    # memory
-    "out of memory", "Out of memory", "OutOfMemory", "emory", "bad_alloc", "ALLOC_FAILED",
-    "alloc_failed", "AllocFailed", "OUT_OF_RESOURCES", "oom-kill", "oom_kill",
-    # comm
-    "NCCL", "nccl", "Watchdog", "watchdog", "Rendezvous", "TCPStore", "c10d", "socket",
-    # device
-    "HSA_STATUS", "illegal", "fault", "Xid", "ECC", "fallen off", "GPU Hang", "misaligned",
-    # disk
-    "No space left", "Errno 28", "Disk quota", "StreamWriter", "unexpected pos", "write failed",
-    # numeric
-    "nan", "inf", "loss scale", "OVERFLOW",
-    # config
-    "HfArgumentParser", "validation error", "Unrecognized", "does not exist", "dataset_info",
-    "not found", "valid model identifier", "Can't load", "mismatch", "valid checkpoint",
-    # kills, crashes
-    "exitcode", "Signal", "signal", "SIG", "Killed", "Segmentation", "Aborted", "core dumped",
-    "terminate called", "Fatal Python", "Bus error", "bus error", "device-side assert",
-    "local_rank", "Root Cause",
-    # progress and phase markers
-    "*****", "Total optimization steps", "checkpoint", "Checkpoint", "skipped=",
-    "batch size of", "loading weights", "Loading model",
-    # vendor hints
-    "HIP", "hip", "ROCm", "rocm", "gfx", "AMD_SERIALIZE", "RCCL", "MIOpen", "rocBLAS", "MI300",
-    "MI250", "MI210", "amdgpu", "CUDA", "NVIDIA", "NVRM", "CUBLAS", "cuBLAS", "detected platform",
+# The prefilter: a line is looked at only if it holds one of these (the union of
+# the rule triggers, phase/progress markers, vendor names, exception and
+# traceback shapes, defined below). They are SPECIFIC on purpose: a broad word
+# ("memory", "CUDA", "checkpoint", "fault" as in "default") would make every
+# allocator-conf warning or torchrun "[default0]:" line a candidate.
+_EXCEPTION_TRIGGERS = ("Error:", "Exception:", "MemoryError", "AssertionError", "KeyboardInterrupt", "Traceback (most", 'File "')
+_MARKER_TRIGGERS = (
+    "Loading checkpoint shards", "loading weights file", "*****", "Saving model checkpoint", "Loading model from",
+    "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW",
+    "local_rank",
+)
+_VENDOR_TRIGGERS = (
+    "HIP", "hipError", "AMD_SERIALIZE", "HSA_", "HW Exception", "/rocm", "ROCm", "rocm-", "gfx9", "gfx1", "MI300",
+    "MI250", "MI210", "MI325", "MI355", "RCCL", "rocBLAS", "rocblas", "hipBLAS", "MIOpen", "amdgpu", "libamdhip",
+    "detected platform", "CUDA out of memory", "CUDA error", "CUDA_LAUNCH_BLOCKING", "CUBLAS", "cuBLAS", "CUDNN",
+    "cuDNN", "NVIDIA", "NVRM", "nvidia-smi", "NVML", "cudaError", "sm_",
 )
 
 # Prefixes that launchers and loggers put before the real text. Stripped
@@ -78,12 +66,12 @@ _EXC_RE = re.compile(
 FRAME_RE = re.compile(r'File "(?P<path>[^"]*)", line \d+, in (?P<func>[\w<>.]+)')
 ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 
-HIP_RE = re.compile(
+HIP_RE = compile_search(
     r"HIP out of memory|HIP error|\bhip[A-Z]\w+|AMD_SERIALIZE_KERNEL|HSA_STATUS|Memory access fault by GPU|HW Exception by GPU"
     r"|\bgfx\d{3,4}\w*|\bMI\d{3}[A-Z]?\b|/rocm|\bROCm\b|\bRCCL\b|rocBLAS|hipBLAS|MIOpen|\bamdgpu\b"
     r"|libamdhip64|HIPBLAS_STATUS|rocblas_status|detected platform rocm"
 )
-CUDA_RE = re.compile(
+CUDA_RE = compile_search(
     r"CUDA out of memory|CUDA error|CUDA_LAUNCH_BLOCKING|CUBLAS_STATUS|cuBLAS|CUDNN_STATUS|cuDNN"
     r"|\bNVIDIA\b|\bNVRM\b|nvidia-smi|\bNVML\b|\bcudaError\w+|\bsm_\d{2,3}\b|detected platform cuda"
 )
@@ -280,7 +268,7 @@ _WATCHDOG_RE = re.compile(
 _RAN_FOR_RE = re.compile(r"ran for (\d+) milliseconds")
 _NCCL_ERR_RE = re.compile(
     r"\bncclUnhandledCudaError\b|\bncclSystemError\b|\bncclInternalError\b|\bncclRemoteError\b"
-    r"|NCCL error|DistBackendError|NCCL communicator was aborted|ProcessGroupNCCL is aborted"
+    r"|NCCL [Ee]rror|DistBackendError|NCCL communicator was aborted|ProcessGroupNCCL is aborted"
 )
 _SOCKET_RE = re.compile(
     r"Rendezvous\w*Error|DistNetworkError|DistStoreError|socket has timed out|EADDRINUSE"
@@ -387,12 +375,44 @@ def gpu_oom_numbers(text: str) -> dict[str, int]:
     return nums
 
 
+# Substrings at least one of which every rule's match contains. Candidate lines
+# that merely share a broad prefilter keyword ("memory", "CUDA", "checkpoint")
+# are dismissed with this one search instead of ~40 rule regexes.
+_RULE_TRIGGERS = (
+    "ut of memory", "OutOfMemory", "ALLOC_FAILED", "memory_error", "AllocFailed", "OUT_OF_RESOURCES",
+    "allocate buffer", "MIOpen", "rocBLAS", "cache blocks", "KV cache", "on startup is less", "executable batch size",
+    "DefaultCPUAllocator", "bad_alloc", "Kill process", "Killed process", "oom-kill", "oom_kill", "illegal",
+    "IllegalAddress", "Memory access fault", "GPU Hang", "LaunchTimeOut", "launch timed out", "HSA_STATUS_ERROR",
+    "ECC error", "Xid", "fallen off the bus", "launch failure", "LaunchFailure", "misaligned address",
+    "Watchdog caught", "NCCL operations have failed", "eartbeat monitor", "watchdog got stuck", "blocking wait",
+    "nccl", "NCCL error", "NCCL Error", "DistBackendError", "aborted", "Rendezvous", "DistNetworkError", "DistStoreError",
+    "socket has timed out", "EADDRINUSE", "address already in use", "TCPStore", "Connection reset",
+    "Connection refused", "Broken pipe", "HfArgumentParser", "validation error", "DeepSpeed config values",
+    "DeepSpeedConfigError", "extra_forbidden", "Unrecognized", "not a valid model identifier", "Can't load",
+    "HFValidationError", "Repo id must be", "does not appear to have a file", "Undefined dataset", "dataset_info.json",
+    "does not exist", "valid samples", "valid checkpoint", "ZeRORuntimeException", "trainer_state.json",
+    "Output directory", "No space left", "Errno 28", "ENOSPC", "os error 28", "StorageFull",
+    "Disk quota", "Errno 122", "PytorchStreamWriter", "unexpected pos", "file write failed", "loss scale",
+    ": nan", ": inf", ": -inf", "=nan", "=inf", "= nan", "= inf", "returned nan",
+    "NaN", "non-finite", "Loss is", "exitcode", "SIGKILL", "Signal", "killed by signal", "Killed",
+    "SIGSEGV", "Segmentation fault", "Aborted", "SIGABRT", "terminate called", "us error", "SIGBUS",
+    "shared memory", "device-side assert", "ChildFailedError",
+)
+_RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
+
+KEYWORDS: tuple[str, ...] = tuple(
+    dict.fromkeys(_RULE_TRIGGERS + _MARKER_TRIGGERS + _VENDOR_TRIGGERS + _EXCEPTION_TRIGGERS)
+)
+
+
 def classify(seg: Segment) -> list[Hit]:
     """All rule hits for one cleaned segment. Pure; the order is irrelevant."""
     t = seg.text
     hits: list[Hit] = []
     exc = _short(seg.exc)
     exc_form = seg.exc is not None
+    if not exc_form and not _RULE_GATE.search(t):
+        return hits
 
     # GPU OOM, allocator level. Decisive only as an exception line: a program
     # that catches an OOM and prints it (then retries) must not look failed.

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.diagnosis import rules
+from supervisor.diagnosis.fastre import LiteralScanner, compile_search
 from supervisor.diagnosis.rules import (
     ANSI_RE,
     CONTEXT_MARKERS,
@@ -40,10 +41,6 @@ from supervisor.diagnosis.rules import (
 )
 from supervisor.models import Category, Evidence, Phase
 
-try:  # optional accelerator: same semantics, several times faster on big logs
-    import re2 as _re2  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - depends on the environment
-    _re2 = None
 
 LONG_LINE = 1 << 20  # bytes of one line held before it is scanned in blocks
 OVERLAP = 4096  # bytes re-scanned between blocks of a long line
@@ -52,25 +49,25 @@ TAIL_LINE_CHARS = 2000
 EVIDENCE_CHARS = 2000
 MAX_FRAMES = 64
 MAX_WATCH = 32
+TAIL_PENDING_BYTES = 8 << 20  # bytes of recent chunks kept by reference for the lazy tail
 
-_PREFILTER_PATTERN = b"|".join(re.escape(k.encode()) for k in rules.KEYWORDS)
-_PREFILTER_TEXT = re.compile("|".join(re.escape(k) for k in rules.KEYWORDS))
+_KEYWORDS = list(dict.fromkeys(rules.KEYWORDS))
+# A keyword that contains another one adds nothing to the alternation.
+_PREFILTER_PATTERN = b"|".join(
+    re.escape(k.encode()) for k in _KEYWORDS if not any(o != k and o in k for o in _KEYWORDS)
+)
 _BAR_RE = re.compile(rb"%\|[^|\r\n]{0,200}\|\s*(\d+)/(\d+) \[")
+_MARKER_GATE = compile_search(
+    r"Loading checkpoint shards|loading weights file|\*\*\*\*\*|Saving model checkpoint|Loading model from"
+    r"|Continuing training|Resuming training|optimization steps|checkpoint-|skipped=|batch size of|OVERFLOW|local_rank"
+)
 # A tqdm bar left without a newline, glued in front of the text that followed it.
 _BAR_PREFIX_RE = re.compile(r"^[^|\n]{0,120}\d+%\|[^|]{0,200}\|[^\]]{0,200}\]")
 
 
-def _compile_prefilter() -> Any:
-    if _re2 is not None:
-        try:
-            return _re2.compile(_PREFILTER_PATTERN)
-        except Exception:  # pragma: no cover - an RE2 build that refuses the pattern
-            pass
-    return re.compile(_PREFILTER_PATTERN)
-
-
-_PREFILTER = _compile_prefilter()
-PREFILTER_ENGINE = "re2" if _re2 is not None and not isinstance(_PREFILTER, re.Pattern) else "re"
+_PREFILTER = LiteralScanner([k.encode() for k in _KEYWORDS if not any(o != k and o in k for o in _KEYWORDS)])
+_PIECE_FILTER = compile_search(_PREFILTER_PATTERN)  # one short \r-piece at a time
+PREFILTER_ENGINE = _PREFILTER.engine
 
 
 @dataclass
@@ -118,9 +115,9 @@ class ScanState:
     min_loss_scale_overflows: int
 
 
-def _digits_before(buf: bytes, end: int) -> int | None:
+def _digits_before(buf: bytes, end: int, floor: int = 0) -> int | None:
     i = end
-    while i > 0 and end - i < 12 and 48 <= buf[i - 1] <= 57:
+    while i > floor and end - i < 12 and 48 <= buf[i - 1] <= 57:
         i -= 1
     return int(buf[i:end]) if i < end else None
 
@@ -158,7 +155,8 @@ class LogScanner:
         self._hip = False
         self._cuda = False
         self._tail: deque[tuple[int, str]] = deque(maxlen=self.tail_lines)
-        self._tail_pending: tuple[bytes, int, int] | None = None
+        self._tail_pending: list[tuple[bytes, int, int, int, int]] = []
+        self._rs = 0  # start of the buffer region being read (bounds backward searches)
         self._torchrun_rank: int | None = None
         self._min_scale_overflows = 0
         self._flushed = False
@@ -179,15 +177,30 @@ class LogScanner:
             raise RuntimeError("LogScanner.feed() after finish()")
         if not chunk:
             return []
+        chunk = bytes(chunk)
         fatal: list[Evidence] = []
-        data = self._partial + bytes(chunk) if self._partial else bytes(chunk)
-        data = self._consume_long_line(data, fatal)
-        nl = data.rfind(b"\n")
+        start = 0
+        if self._partial:
+            # Complete the pending line first; the rest of the chunk is then read in place (no copy).
+            i = chunk.find(b"\n")
+            if i < 0:
+                data = self._partial + chunk
+                self._partial = data[self._consume_long_line(data, 0, fatal) :]
+                return fatal
+            head = self._partial + chunk[: i + 1]
+            self._partial = b""
+            hs = self._consume_long_line(head, 0, fatal)
+            self._scan_region(head, hs, len(head), fatal)
+            start = i + 1
+        start = self._consume_long_line(chunk, start, fatal)
+        nl = chunk.rfind(b"\n", start)
         if nl < 0:
-            self._partial = data
+            self._partial = chunk[start:]
             return fatal
-        self._partial = data[nl + 1 :]
-        self._scan_region(data[: nl + 1] if nl + 1 < len(data) else data, fatal)
+        self._scan_region(chunk, start, nl + 1, fatal)
+        self._partial = chunk[nl + 1 :]
+        if len(self._partial) >= LONG_LINE + OVERLAP:
+            self._partial = self._partial[self._consume_long_line(self._partial, 0, fatal) :]
         return fatal
 
     def finish(self, exit: Any = None, host: Any = None) -> Any:
@@ -196,8 +209,8 @@ class LogScanner:
 
         if not self._flushed:
             if self._partial:
-                data, self._partial = self._partial, b""
-                self._scan_region(data + b"\n", [])
+                data, self._partial = self._partial + b"\n", b""
+                self._scan_region(data, 0, len(data), [])
             self._flushed = True
         return conclude(self.state(), exit, host)
 
@@ -223,45 +236,50 @@ class LogScanner:
         )
 
     # ------------------------------------------------------------ bytes level
-    def _consume_long_line(self, data: bytes, fatal: list[Evidence]) -> bytes:
-        """Scan a newline-less head longer than LONG_LINE in fixed blocks, then drop it."""
-        block = LONG_LINE + OVERLAP
-        while len(data) >= block and data.find(b"\n", 0, block) < 0:
-            window = data[:block]
-            line_no = self._lines + 1
-            if self._needle is None:
-                self._discover_total(window)
-            self._scan_matches(window, line_no, fatal, count_lines=False)
-            self._scan_progress(window, self._lines, 0)
-            data = data[LONG_LINE:]
-        return data
+    def _consume_long_line(self, data: bytes, start: int, fatal: list[Evidence]) -> int:
+        """Scan a newline-less line head longer than LONG_LINE in fixed blocks; return where to go on.
 
-    def _scan_region(self, region: bytes, fatal: list[Evidence]) -> None:
-        """Process complete lines (`region` ends with a newline)."""
+        Blocks are counted from the line's start, whatever the chunking, so the
+        answer does not depend on how the stream was cut.
+        """
+        block = LONG_LINE + OVERLAP
+        while len(data) - start >= block and data.find(b"\n", start, start + block) < 0:
+            self._rs = start
+            if self._needle is None:
+                self._discover_total(data, start, start + block)
+            self._scan_matches(data, start, start + block, self._lines + 1, fatal, count_lines=False)
+            self._scan_progress(data, start, start + block, self._lines, 0)
+            start += LONG_LINE
+        return start
+
+    def _scan_region(self, buf: bytes, start: int, end: int, fatal: list[Evidence]) -> None:
+        """Process the complete lines buf[start:end] (end is just after a newline)."""
         base = self._lines
+        self._rs = start
         if self._needle is None:
             # Before the candidates: their phase and "progress after an OOM" need the bar's total.
-            self._discover_total(region)
-        nlines = self._scan_matches(region, base + 1, fatal, count_lines=True)
-        self._scan_progress(region, base, nlines)
+            self._discover_total(buf, start, end)
+        nlines = self._scan_matches(buf, start, end, base + 1, fatal, count_lines=True)
+        self._scan_progress(buf, start, end, base, nlines)
         self._lines = base + nlines
-        self._remember_tail(region, base, nlines)
+        self._remember_tail(buf, start, end, base, nlines)
 
-    def _scan_matches(self, buf: bytes, first_line: int, fatal: list[Evidence], *, count_lines: bool) -> int:
+    def _scan_matches(self, buf: bytes, start: int, end: int, first_line: int, fatal: list[Evidence], *,
+                      count_lines: bool) -> int:
         line_no = first_line
-        counted = 0
+        counted = start
         skip_until = -1
-        for m in _PREFILTER.finditer(buf):
-            s = m.start()
+        for mend in _PREFILTER.ends(buf, start, end):
+            s = mend - 1  # a byte of the match: keywords hold no newline, so its line is the match's line
             if s < skip_until:
                 continue
             if count_lines:
                 line_no += buf.count(b"\n", counted, s)
                 counted = s
-            ls = buf.rfind(b"\n", 0, s) + 1
-            le = buf.find(b"\n", s)
+            ls = buf.rfind(b"\n", start, s) + 1 or start
+            le = buf.find(b"\n", s, end)
             if le < 0:
-                le = len(buf)
+                le = end
             if le - ls > WINDOW:
                 ws = max(ls, s - 2048)
                 we = min(le, s + 16 * 1024)
@@ -271,17 +289,24 @@ class LogScanner:
             skip_until = we
         if not count_lines:
             return 0
-        return (line_no - first_line) + buf.count(b"\n", counted)
+        return (line_no - first_line) + buf.count(b"\n", counted, end)
 
     def _handle_window(self, buf: bytes, ws: int, we: int, ls: int, line_no: int, fatal: list[Evidence]) -> None:
-        raw = buf[ws:we].decode("utf-8", "replace")
-        if "\x1b" in raw:
-            raw = ANSI_RE.sub("", raw)
         if self._line_key[0] != line_no:
             self._line_key = (line_no, set())
-        for piece in raw.split("\r"):
-            if piece and _PREFILTER_TEXT.search(piece):
-                self._handle_segment(piece, line_no, buf, ls, fatal)
+        window = buf[ws:we]
+        pieces = window.split(b"\r") if b"\r" in window else (window,)
+        for piece in pieces:
+            # Only the \r-pieces that hold a keyword are decoded (tqdm redraws are not).
+            if len(pieces) > 1 and not _PIECE_FILTER.search(piece):
+                continue
+            text = piece.decode("utf-8", "replace")
+            if "\x1b" in text:
+                text = ANSI_RE.sub("", text)
+                if len(pieces) > 1 and not _PIECE_FILTER.search(text.encode()):
+                    continue
+            if text:
+                self._handle_segment(text, line_no, buf, ls, fatal)
 
     # ------------------------------------------------------------- line level
     def _handle_segment(self, raw: str, line_no: int, buf: bytes, ls: int, fatal: list[Evidence]) -> None:
@@ -311,6 +336,8 @@ class LogScanner:
                 self._frames.pop(None, None)
 
     def _track_markers(self, t: str, line_no: int, buf: bytes, ls: int) -> None:
+        if not _MARKER_GATE.search(t):
+            return
         for rx, phase in CONTEXT_MARKERS:
             if rx.search(t):
                 if not (phase is Phase.TRAIN_STEP and self._context and self._context[0] is Phase.RESUME
@@ -398,30 +425,30 @@ class LogScanner:
         if self._last_step is None or step > self._last_step:
             self._last_step = step
 
-    def _discover_total(self, region: bytes) -> None:
+    def _discover_total(self, buf: bytes, start: int, end: int) -> None:
         """Learn the training bar's total from the first description-less tqdm bar."""
-        p = region.find(b"%|")
+        p = buf.find(b"%|", start, end)
         tries = 0
         while p >= 0 and tries < 10_000:
             tries += 1
-            start = max(region.rfind(b"\r", 0, p), region.rfind(b"\n", 0, p)) + 1
-            if region[start:p].strip().isdigit():
-                m = _BAR_RE.match(region, p)
+            seg = max(buf.rfind(b"\r", start, p), buf.rfind(b"\n", start, p)) + 1 or start
+            if buf[max(seg, start):p].strip().isdigit():
+                m = _BAR_RE.match(buf, p, end)
                 if m:
                     self._set_total(int(m.group(2)))
                     return
-            p = region.find(b"%|", p + 2)
+            p = buf.find(b"%|", p + 2, end)
 
-    def _scan_progress(self, region: bytes, base: int, nlines: int) -> None:
+    def _scan_progress(self, buf: bytes, start: int, end: int, base: int, nlines: int) -> None:
         if self._needle is None:
             return
-        p = region.rfind(self._needle)
+        p = buf.rfind(self._needle, start, end)
         if p < 0:
             return
-        step = _digits_before(region, p)
+        step = _digits_before(buf, p, start)
         if step is None:
             return
-        line = base + nlines - region.count(b"\n", p) + 1
+        line = base + nlines - buf.count(b"\n", p, end) + 1
         self._bump_step(step)
         self._last_bar_line = max(self._last_bar_line, line)
         for w in self._watch:
@@ -431,16 +458,16 @@ class LogScanner:
 
     def _step_before(self, buf: bytes, ls: int) -> int | None:
         if self._needle is not None:
-            p = buf.rfind(self._needle, 0, ls)
+            p = buf.rfind(self._needle, self._rs, ls)
             if p >= 0:
-                step = _digits_before(buf, p)
+                step = _digits_before(buf, p, self._rs)
                 if step is not None:
                     return max(step, self._last_step or 0)
         return self._last_step if self._last_step is not None else (0 if self._needle else None)
 
     def _bar_line_before(self, buf: bytes, ls: int, line_no: int) -> int:
         if self._needle is not None:
-            p = buf.rfind(self._needle, 0, ls)
+            p = buf.rfind(self._needle, self._rs, ls)
             if p >= 0:
                 return line_no - buf.count(b"\n", p, ls)
         return self._last_bar_line
@@ -472,30 +499,34 @@ class LogScanner:
         return Phase.TRAIN_STEP if self._last_bar_line > marker_line else phase
 
     # ---------------------------------------------------------------- tail
-    def _remember_tail(self, region: bytes, base: int, nlines: int) -> None:
+    def _remember_tail(self, buf: bytes, start: int, end: int, base: int, nlines: int) -> None:
+        """Remember where the tail lines are; they are decoded only when asked for (state())."""
         if nlines >= self.tail_lines:
             self._tail.clear()
-            self._tail_pending = (region, base, nlines)
-        else:
-            self._materialize_tail()
-            self._push_tail(region, base, nlines)
+            self._tail_pending = [(buf, start, end, base, nlines)]
+            return
+        pending = self._tail_pending
+        pending.append((buf, start, end, base, nlines))
+        while len(pending) > 1 and sum(p[4] for p in pending[1:]) >= self.tail_lines:
+            pending.pop(0)  # superseded by newer lines
+        while len(pending) > 1 and sum(p[2] - p[1] for p in pending) > TAIL_PENDING_BYTES:
+            self._push_tail(*pending.pop(0))
 
     def _materialize_tail(self) -> None:
-        if self._tail_pending is not None:
-            region, base, nlines = self._tail_pending
-            self._tail_pending = None
-            self._push_tail(region, base, nlines)
+        pending, self._tail_pending = self._tail_pending, []
+        for p in pending:
+            self._push_tail(*p)
 
-    def _push_tail(self, region: bytes, base: int, nlines: int) -> None:
+    def _push_tail(self, buf: bytes, start: int, end: int, base: int, nlines: int) -> None:
         want = min(nlines, self.tail_lines)
-        end = len(region) - 1  # the final newline
-        start = end
+        stop = end - 1  # the final newline
+        first_nl = stop
         for _ in range(want):
-            j = region.rfind(b"\n", 0, start)
-            start = j
+            j = buf.rfind(b"\n", start, first_nl)
+            first_nl = j
             if j < 0:
                 break
-        lines = region[start + 1 : end].split(b"\n")
+        lines = buf[(first_nl + 1 if first_nl >= 0 else start) : stop].split(b"\n")
         first = base + nlines - len(lines) + 1
         for i, line in enumerate(lines):
             self._tail.append((first + i, _last_segment(line)))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import re
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-import supervisor.diagnosis.scanner as scanner_mod
 from supervisor.diagnosis import LogScanner, diagnose_bytes, diagnose_file
 from supervisor.diagnosis.conclude import _oom_numbers
 from supervisor.diagnosis.rules import KEYWORDS
@@ -14,6 +17,7 @@ from supervisor.diagnosis.sizes import human, parse_size
 from supervisor.models import Category, ExitRecord, HostEvidence, Phase
 from tests.diagnosis.cases import fixture_cases, load_case
 
+REPO = Path(__file__).resolve().parents[2]
 GIB, MIB = 2**30, 2**20
 OOM = b"[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 3 has a total capacity of 79.14 GiB of which 1.00 GiB is free."
 BAR = b"\r  %d%%|#         | %d/100 [00:10<00:10,  5.00it/s]"
@@ -192,16 +196,29 @@ def test_feed_after_finish_is_an_error():
         s.feed(b"x")
 
 
-def test_stdlib_re_prefilter_gives_the_same_answers(monkeypatch):
-    """google-re2 is only an accelerator: every fixture reads the same with `re`."""
-    answers = {}
-    for case in fixture_cases():
-        log, _, exit, host = load_case(case)
-        answers[case.name] = diagnose_bytes(log, exit, host).to_dict()
-    monkeypatch.setattr(scanner_mod, "_PREFILTER", re.compile(scanner_mod._PREFILTER_PATTERN))
-    for case in fixture_cases():
-        log, _, exit, host = load_case(case)
-        assert diagnose_bytes(log, exit, host).to_dict() == answers[case.name], case.name
+def test_without_fast_engines_every_fixture_reads_the_same():
+    """hyperscan and google-re2 are only accelerators: with the stdlib `re` engine the answers are identical."""
+    here = {c.name: diagnose_bytes(*_args(c)).to_dict() for c in fixture_cases()}
+    code = (
+        "import json, sys\n"
+        "from supervisor.diagnosis import diagnose_bytes, PREFILTER_ENGINE\n"
+        "from tests.diagnosis.cases import fixture_cases, load_case\n"
+        "assert PREFILTER_ENGINE == 're', PREFILTER_ENGINE\n"
+        "out = {}\n"
+        "for c in fixture_cases():\n"
+        "    log, _, exit, host = load_case(c)\n"
+        "    out[c.name] = diagnose_bytes(log, exit, host).to_dict()\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {**os.environ, "OOM_SUPERVISOR_NO_FAST_RE": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == json.loads(json.dumps(here))
+
+
+def _args(case):
+    log, _, exit, host = load_case(case)
+    return log, exit, host
 
 
 def test_every_evidence_line_of_every_fixture_holds_a_prefilter_keyword():
