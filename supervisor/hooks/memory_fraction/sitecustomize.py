@@ -20,6 +20,7 @@ import os
 import sys
 
 ENV = "OOM_SUPERVISOR_MEMORY_FRACTION"
+TRACE_ENV = "OOM_SUPERVISOR_HOOK_TRACE"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -44,6 +45,14 @@ def _queue_cap(torch, fraction):
         torch._oom_supervisor_memory_fraction = fraction  # for tests and debugging
     except Exception as exc:
         _warn(f"could not queue the memory fraction: {exc!r}")
+        return
+    trace = os.environ.get(TRACE_ENV)
+    if trace:  # one line per process that queued the cap (debugging, tests)
+        try:
+            with open(trace, "a") as fh:
+                fh.write(f"{os.getpid()} local_rank={os.environ.get('LOCAL_RANK', '-')} fraction={fraction}\n")
+        except OSError:
+            pass
 
 
 class _TorchWatcher:
