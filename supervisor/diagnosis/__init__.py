@@ -19,7 +19,7 @@ from supervisor.models import Diagnosis, ExitRecord, HostEvidence
 
 CHUNK_BYTES = 1 << 20
 
-__all__ = ["LogScanner", "diagnose_bytes", "diagnose_file", "PREFILTER_ENGINE"]
+__all__ = ["PREFILTER_ENGINE", "LogScanner", "diagnose_bytes", "diagnose_file"]
 
 
 def diagnose_bytes(data: bytes, exit: ExitRecord | None = None, host: HostEvidence | None = None) -> Diagnosis:

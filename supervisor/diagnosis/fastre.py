@@ -39,8 +39,8 @@ def compile_search(pattern: str | bytes) -> Any:
     if _re2 is not None:
         try:
             return _re2.compile(pattern)
-        except Exception:  # pragma: no cover - a pattern RE2 refuses
-            pass
+        except _re2.error:  # pragma: no cover - a pattern RE2 refuses: the stdlib reads it the same way
+            return re.compile(pattern)
     return re.compile(pattern)
 
 

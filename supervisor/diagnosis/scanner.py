@@ -41,7 +41,6 @@ from supervisor.diagnosis.rules import (
 )
 from supervisor.models import Category, Evidence, Phase
 
-
 LONG_LINE = 1 << 20  # bytes of one line held before it is scanned in blocks
 OVERLAP = 4096  # bytes re-scanned between blocks of a long line
 WINDOW = 64 * 1024  # a candidate line longer than this is read around the hit only
@@ -330,10 +329,9 @@ class LogScanner:
         self._track_markers(t, line_no, buf, ls)
         for hit in classify(seg):
             self._record(hit, seg, line_no, buf, ls, fatal)
-        if seg.exc is not None:
-            # An exception line closes that rank's traceback.
-            if self._frames.pop(seg.rank, None) is None and seg.rank is not None:
-                self._frames.pop(None, None)
+        # An exception line closes that rank's traceback (or the unprefixed one it used).
+        if seg.exc is not None and self._frames.pop(seg.rank, None) is None and seg.rank is not None:
+            self._frames.pop(None, None)
 
     def _track_markers(self, t: str, line_no: int, buf: bytes, ls: int) -> None:
         if not _MARKER_GATE.search(t):

@@ -34,16 +34,16 @@ def parse_size(text: str) -> int | None:
     m = _SIZE_RE.search(text)
     if not m:
         return None
-    return int(round(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+    return round(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def human(n: int | float | None) -> str:
+def human(n: float | None) -> str:
     """Bytes in binary units, the way PyTorch prints them (for reports)."""
     if n is None:
         return "?"
     n = float(n)
     for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} bytes" if unit == "bytes" else f"{n:.2f} {unit}"
+            return f"{n:.0f} bytes" if unit == "bytes" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

@@ -48,7 +48,7 @@ def test_signal_flag_makes_a_bare_kill_unexplained_not_host_oom():
 
 def test_exit_code_137_alone_is_read_as_sigkill():
     rc, out, _ = _run([str(FIXTURES / "host_oom_cgroup_kill_137.log"), "--exit-code", "137", "--json"])
-    assert json.loads(out)["subkind"] == "sigkill_unexplained"
+    assert rc == 0 and json.loads(out)["subkind"] == "sigkill_unexplained"
 
 
 def test_without_exit_info_the_log_alone_decides():

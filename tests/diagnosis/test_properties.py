@@ -36,7 +36,7 @@ def _feed_in(data: bytes, cuts: list[int]) -> tuple[LogScanner, list[str]]:
     scanner = LogScanner(max_evidence_per_rule=3, tail_lines=7)
     rules = []
     prev = 0
-    for c in sorted(set(c for c in cuts if 0 < c < len(data))) + [len(data)]:
+    for c in sorted({c for c in cuts if 0 < c < len(data)}) + [len(data)]:
         rules += [e.rule for e in scanner.feed(data[prev:c])]
         prev = c
     return scanner, rules
