@@ -51,8 +51,9 @@ def read_progress(
     """Read `trainer_log.jsonl` lines written by the current attempt.
 
     since_offset: the log's size in bytes when this attempt was launched (lines before it belong
-    to earlier attempts). since_step: the step this attempt resumed from (lines at or below it
-    are ignored). Either or both; with neither, the whole file counts as one attempt.
+    to earlier attempts): exact, prefer it. since_step: the step this attempt resumed from; the
+    lines after the last restart seen in the file (`last_attempt`) above that step are used.
+    With neither, the whole file counts as one attempt.
     A missing file gives an empty Progress (the attempt has not logged yet).
     """
     path = Path(output_dir) / TRAINER_LOG
@@ -68,8 +69,29 @@ def read_progress(
     end_offset = start + len(complete) + len(sep)
     records, bad = _parse_lines(complete.split(b"\n") if complete else [])
     if since_step is not None:
-        records = [r for r in records if (_int(r.get("current_steps")) or 0) > since_step]
+        records = [r for r in last_attempt(records) if (_int(r.get("current_steps")) or 0) > since_step]
     return summarize(records, bad_lines=bad, end_offset=end_offset)
+
+
+def last_attempt(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records after the last restart seen in the log: where the step goes down, or stays
+    and the timer goes back (a resumed attempt re-logs steps the failed one had reached).
+
+    A fallback for callers without a byte offset: before the new attempt logs its first line,
+    the last run of lines is still the previous attempt's.
+    """
+    start = 0
+    prev_step = prev_t = None
+    for i, r in enumerate(records):
+        step, t = _int(r.get("current_steps")), parse_elapsed(r.get("elapsed_time"))
+        if step is None:
+            continue
+        if prev_step is not None and (
+            step < prev_step or (step == prev_step and t is not None and prev_t is not None and t < prev_t)
+        ):
+            start = i
+        prev_step, prev_t = step, t
+    return records[start:]
 
 
 def summarize(records: list[dict[str, Any]], *, bad_lines: int = 0, end_offset: int = 0) -> Progress:
