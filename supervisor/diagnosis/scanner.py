@@ -23,7 +23,6 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from supervisor.diagnosis import rules
 from supervisor.diagnosis.fastre import LiteralScanner, compile_search
@@ -39,7 +38,7 @@ from supervisor.diagnosis.rules import (
     classify,
     split_prefix,
 )
-from supervisor.models import Category, Evidence, Phase
+from supervisor.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 
 LONG_LINE = 1 << 20  # bytes of one line held before it is scanned in blocks
 OVERLAP = 4096  # bytes re-scanned between blocks of a long line
@@ -202,8 +201,8 @@ class LogScanner:
             self._partial = self._partial[self._consume_long_line(self._partial, 0, fatal) :]
         return fatal
 
-    def finish(self, exit: Any = None, host: Any = None) -> Any:
-        """Flush the partial line and conclude (see conclude.py). Callable repeatedly."""
+    def finish(self, exit: ExitRecord | None = None, host: HostEvidence | None = None) -> Diagnosis:
+        """Flush the partial line and conclude (see conclude.py). Callable on a bare excerpt, and repeatedly."""
         from supervisor.diagnosis.conclude import conclude
 
         if not self._flushed:
