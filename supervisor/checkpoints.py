@@ -57,6 +57,7 @@ TRAINER_STATE_BACKUP = "trainer_state.json.supervisor-orig"
 # `self._train_batch_size = state.train_batch_size` whenever trainer_state.json has it.
 BATCH_SIZE_RESTORE_FIXED_IN = (5, 2)
 
+_ADAPTER_METHODS = ("lora", "oft")  # LLaMA-Factory methods that save a PEFT adapter
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -83,7 +84,8 @@ class Checkpoint:
     ZeRO-1/2 layout (the two cannot be told apart by name), 0 for DeepSpeed without ZeRO
     partitioning, None without DeepSpeed. `world_size` counts the ranks whose files are present
     (RNG states, and under DeepSpeed optimizer shards). `train_batch_size` is the per-device batch
-    trainer_state.json recorded.
+    trainer_state.json recorded; do not read it as what the run used: transformers 5.6 carries a
+    resumed checkpoint's value forward into later checkpoints even after a micro-batch change.
     """
 
     path: Path
@@ -228,7 +230,10 @@ def inspect_checkpoint(
     path: Path, step: int, expected_world_size: int | None = None
 ) -> Checkpoint | Incomplete:
     """Decide whether one checkpoint folder is complete (see `scan_output_dir`)."""
-    names = set(os.listdir(path))
+    try:
+        names = set(os.listdir(path))
+    except OSError as e:
+        return Incomplete(path, step, f"unreadable folder: {e}")
     if TRAINER_STATE not in names:
         return Incomplete(path, step, f"no {TRAINER_STATE} (written last: the save did not finish)")
     try:
@@ -519,7 +524,7 @@ def plan_resume(
     if prev is not None and prev.finetuning_type != nxt.finetuning_type:
         return _restart(ckpt, f"finetuning_type changed ({prev.finetuning_type} -> {nxt.finetuning_type}):"
                         " the checkpoint's weights/adapter do not fit the new run", archive_name)
-    if ckpt.adapter != (nxt.finetuning_type == "lora") and ckpt.has_weights:
+    if ckpt.adapter != (nxt.finetuning_type in _ADAPTER_METHODS) and ckpt.has_weights:
         return _restart(ckpt, f"checkpoint holds {'an adapter' if ckpt.adapter else 'full weights'}"
                         f" but the next run is finetuning_type={nxt.finetuning_type}", archive_name)
 
