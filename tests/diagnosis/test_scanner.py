@@ -229,3 +229,19 @@ def test_every_evidence_line_of_every_fixture_holds_a_prefilter_keyword():
         for e in diagnose_bytes(log, exit, host).evidence:
             if e.line_no and e.rule != "tail":
                 assert any(k.encode() in lines[e.line_no - 1] for k in KEYWORDS), (case.name, e)
+
+
+def test_trie_pattern_matches_exactly_the_words():
+    import re as _re
+
+    from supervisor.diagnosis.fastre import trie_pattern
+
+    words = [b"Error:", b"Errno 28", b"HIP", b"hipError", b"*****", b"a", b"ab"]
+    rx = _re.compile(trie_pattern(words))
+    for w in words:
+        assert rx.fullmatch(w), w
+    for w in (b"Err", b"HI", b"****", b"b", b"abc"):
+        assert not rx.fullmatch(w), w
+    text = b"x HIP y hipError: z Errno 28 *****"
+    assert sorted(m.end() for m in rx.finditer(text)) == sorted(
+        m.end() for m in _re.finditer(b"|".join(_re.escape(w) for w in sorted(words, key=len, reverse=True)), text))
