@@ -94,7 +94,8 @@ def _order(job: JobContext, diag: Diagnosis, policy: Policy, ov: Overrides) -> l
         first = ["eval_batch", "allocator", "memory_fraction"]
         order = [r for r in first if r in ladder] + [r for r in ladder if r in _OFFLOAD]
     elif diag.phase == Phase.RESUME:
-        order = [r for r in ("zero3_offload_optimizer", "allocator", "memory_fraction") if r in ladder]
+        order = [r for r in ("zero3_offload_optimizer", "zero3_offload_param", "allocator", "memory_fraction")
+                 if r in ladder]
     elif diag.phase == Phase.MODEL_LOAD:
         first = [*(["zero3_offload_optimizer"] if job.world_size > 1 else []), "zero3_offload_param"]
         order = [r for r in first if r in ladder] + [r for r in ("memory_fraction", "allocator") if r in ladder]

@@ -225,10 +225,10 @@ def micro_batch(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy,
     floor = policy.rungs.micro_batch.floor
     if v.micro <= floor:
         return Skipped(f"micro-batch already {v.micro} (floor {floor})")
-    if resuming and job.transformers_version and not _version_at_least(job.transformers_version, "5.2"):
-        return Skipped(f"transformers {job.transformers_version} restores the old per-device batch size "
-                       "from trainer_state.json on resume (fixed in 5.2, huggingface/transformers#43708), "
-                       "so a smaller micro-batch would give no relief")
+    # transformers < 5.2 restores the old per-device batch size on resume
+    # (huggingface/transformers#43708); the resume plan (supervisor/checkpoints.py) patches
+    # trainer_state.json for those versions, so the split applies either way.
+    del resuming
     per_device = v.micro * v.accum
     options = [d for d in _divisors_below(per_device, v.micro) if d >= floor]
     if not options:
@@ -304,6 +304,13 @@ def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offlo
         was = "without DeepSpeed" if cur.zero_stage == 0 else f"under ZeRO-{cur.zero_stage}"
         return Skipped(f"the checkpoints were written {was}; ZeRO-3 cannot load them "
                        "(set allow_restart_for_deepspeed to start over instead)")
+    if (has_checkpoint and cur.zero_stage == 3 and not cur.offload_optimizer
+            and not policy.allow_restart_for_deepspeed):
+        # Measured (supervisor/checkpoints.py): the first step after loading dies with
+        # KeyError 'bias_correction' in DeepSpeedCPUAdam; turning offload off, or toggling
+        # parameter offload, resumes exactly.
+        return Skipped("turning optimizer offload on cannot resume a ZeRO-3 checkpoint written without "
+                       "it (DeepSpeedCPUAdam fails with KeyError 'bias_correction')")
     cfg = v.config
     ds = zero3_offload_config(offload_param=offload_param,
                               bf16=cfg.get("bf16") if "bf16" in cfg else None,

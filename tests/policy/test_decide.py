@@ -131,11 +131,18 @@ def test_eval_oom_lowers_eval_batch_not_training_batch(default_policy):
     assert d.overrides.yaml == {"per_device_eval_batch_size": 4}
 
 
-def test_resume_oom_offloads_optimizer_not_batch_when_already_zero3(default_policy):
-    ds = {"zero_optimization": {"stage": 3}}
+def test_resume_oom_adds_param_offload_not_a_batch_change(default_policy):
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     d = first(job(deepspeed_config=ds), oom(Phase.RESUME), default_policy, ckpt=40)
-    assert d.rung == "zero3_offload_optimizer"
+    assert d.rung == "zero3_offload_param"
     assert "per_device_train_batch_size" not in d.overrides.yaml
+
+
+def test_resume_oom_never_turns_optimizer_offload_on_under_a_zero3_checkpoint(default_policy):
+    ds = {"zero_optimization": {"stage": 3}}
+    d = first(job(deepspeed_config=ds), oom(Phase.RESUME, frag=True), default_policy, ckpt=40)
+    assert d.rung == "allocator"
+    assert "KeyError 'bias_correction'" in d.reason
 
 
 def test_resume_oom_without_deepspeed_does_not_switch_to_it(default_policy):
@@ -205,10 +212,10 @@ def test_command_jobs_get_only_environment_remedies(default_policy):
     assert not d.overrides.yaml and d.overrides.deepspeed is None
 
 
-def test_transformers_before_5_2_skips_micro_batch_on_resume(default_policy):
-    j = job(transformers_version="5.1.0")
-    d = first(j, oom(), default_policy, ckpt=20)
-    assert d.rung != "micro_batch" and "huggingface/transformers#43708" in d.reason
+def test_micro_batch_on_resume_with_old_transformers_is_still_taken(default_policy):
+    # The resume plan patches trainer_state.json for transformers < 5.2 (#43708).
+    d = first(job(transformers_version="5.1.0"), oom(), default_policy, ckpt=20)
+    assert d.rung == "micro_batch"
 
 
 def test_cutoff_len_only_where_the_policy_allows_data_changes(default_policy, long_context_policy):
