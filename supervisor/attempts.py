@@ -61,6 +61,7 @@ class Active:
     teardown_s: float | None = None
     adopted: bool = False
     fatal: list = field(default_factory=list)
+    progress_offset: int | None = None  # trainer_log.jsonl size at launch: later lines are this attempt's
 
 
 class Runner:
@@ -150,6 +151,7 @@ class Runner:
         os.chmod(paths.environment, 0o600)
 
         rlimits, cgroup, mechanism = self._limits(spec, job.id, number)
+        progress_offset = _size(output_dir / "trainer_log.jsonl") if output_dir else None
         remedy = _remedy_text(overrides, rendered.changes)
         with self.store.tx():
             self.store.add_attempt(job.id, number, overrides=json.dumps(overrides.to_dict()),
@@ -175,7 +177,7 @@ class Runner:
         return Active(job_id=job.id, number=number, paths=paths, handle=handle, scanner=LogScanner(),
                       spec=spec, gpus=spec.sup.gpus, output_dir=output_dir, started_mono=time.monotonic(),
                       hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
-                      last_step=resumed_step)
+                      last_step=resumed_step, progress_offset=progress_offset)
 
     def _plan_resume(self, job: JobRow, spec, overrides: Overrides, output_dir: Path | None, number: int):
         if output_dir is None:
@@ -369,7 +371,8 @@ class Runner:
             from .progress import read_progress
 
             row = self.store.attempt(act.job_id, act.number)
-            prog = read_progress(act.output_dir, since_step=row.resumed_from_step if row else None)
+            prog = read_progress(act.output_dir, since_step=row.resumed_from_step if row else None,
+                                 since_offset=act.progress_offset)
             if prog.max_step is not None:
                 out["max_step"] = max(prog.max_step, act.last_step or 0)
             out["total_steps"] = prog.total_steps
@@ -568,10 +571,27 @@ def _ds_of(spec, overrides: Overrides) -> dict | None:
     return None
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def _remedy_text(overrides: Overrides, changes) -> str | None:
+    """'micro_batch x2 (per_device_train_batch_size=4, gradient_accumulation_steps=4)'."""
     if not overrides.rungs:
         return None
-    return " + ".join(overrides.rungs)
+    names: list[str] = []
+    for r in overrides.rungs:
+        if r not in names:
+            names.append(r)
+    counted = [f"{n} x{overrides.rungs.count(n)}" if overrides.rungs.count(n) > 1 else n for n in names]
+    settings = [f"{k}={v}" for k, v in overrides.yaml.items()]
+    if overrides.deepspeed is not None:
+        settings.append("deepspeed=generated ZeRO-3 config")
+    settings += [f"{k}={v}" for k, v in overrides.env.items() if k.endswith("ALLOC_CONF")][:1]
+    return " + ".join(counted) + (f" ({', '.join(settings)})" if settings else "")
 
 
 def _exit_words(e: ExitRecord) -> str:

@@ -99,7 +99,8 @@ def attempt_panel(a: dict[str, Any]) -> Panel:
             lines.append(f": {dec['reason']}")
         lines.append("\n")
         for c in dec.get("changes") or []:
-            lines.append(f"  {c['target']} {c['key']}: {c['old']!r} -> {c['new']!r}  ({c['why']})\n")
+            why = "" if c["why"] and c["why"] in (dec.get("reason") or "") else f"  ({c['why']})"
+            lines.append(f"  {c['target']} {c['key']}: {c['old']!r} -> {c['new']!r}{why}\n")
     title = f"attempt {a['number']}" + (" (interrupted)" if a.get("interrupted") else "")
     return Panel(lines, title=title, title_align="left")
 
