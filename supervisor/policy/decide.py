@@ -195,8 +195,26 @@ def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnos
         return Decision(DecisionKind.FAIL, f"{cat} persisted over {n} attempts "
                                            f"(budget {policy.budgets.transient_retries}): {diagnosis.summary}")
     if cat in OOM:
-        return _decide_oom(job, history, diagnosis, policy, current)
+        return _with_original_values(job, _decide_oom(job, history, diagnosis, policy, current))
     return Decision(DecisionKind.FAIL, f"no rule for {cat}: {diagnosis.summary}")
+
+
+def _with_original_values(job: JobContext, decision: Decision) -> Decision:
+    """A key the overrides never set before had the user's value (or LLaMA-Factory's
+    default), not None: say '16 -> 8', not 'None -> 8'."""
+    import dataclasses
+
+    fixed = tuple(
+        dataclasses.replace(c, old=job.config.get(c.key, LF_DEFAULTS.get(c.key)))
+        if c.target == "yaml" and c.old is None else c
+        for c in decision.changes)
+    return dataclasses.replace(decision, changes=fixed)
+
+
+# LLaMA-Factory / transformers defaults of the keys the rungs change (facts.md).
+LF_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+               "per_device_eval_batch_size": 8, "cutoff_len": 2048,
+               "disable_gradient_checkpointing": False, "use_unsloth_gc": False}
 
 
 def _retry(job: JobContext, current: Overrides, policy: Policy, n: int, reason: str) -> Decision:

@@ -323,3 +323,11 @@ def test_decide_is_pure(default_policy):
     j, d = job(), oom(frag=True)
     h = [attempt(1, Overrides(), d)]
     assert decide(j, h, d, default_policy) == decide(j, h, d, default_policy)
+
+
+def test_changes_name_the_users_value_not_none(default_policy):
+    j = job({"per_device_train_batch_size": 16, "gradient_accumulation_steps": 1})
+    d = first(j, oom(), default_policy)
+    olds = {c.key: (c.old, c.new) for c in d.changes}
+    assert olds["per_device_train_batch_size"] == (16, 8)
+    assert olds["gradient_accumulation_steps"] == (1, 2)
