@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                           "deepspeed_estimates": extra}, indent=2, default=str))
         return 0
     head = f"{spec.name}: policy {policy.name!r}"
-    head += f", {shape.params / 1e9:.2f}B parameters" if shape else " (model size unknown: no local config.json)"
+    head += f", {_count(shape.params)} parameters" if shape else " (model size unknown: no local config.json)"
     print(head)
     for s in steps:
         est = s["estimate"]
@@ -187,3 +187,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
