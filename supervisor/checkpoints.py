@@ -15,21 +15,23 @@ Three layers, kept apart on purpose:
   (`^checkpoint-\\d+$`) can see, so `save_total_limit` rotation can never remove them and
   auto-resume can never pick them.
 
-Compatibility rules (what was run, and what was only read, is listed in tests/checkpoints and in
-the module's report):
-* same launcher shape: exact resume.
-* micro-batch x grad-accum changed, product (x world size) kept: exact; transformers < 5.2 reads
-  the checkpoint's `train_batch_size` back (so the smaller micro-batch would silently not apply):
-  the plan patches trainer_state.json after backing it up.
-* DeepSpeed ZeRO-3, same world size: turning optimizer offload OFF resumes exactly (observed,
-  losses identical); turning it ON does not (observed: the first step after loading dies with
-  KeyError 'bias_correction' in DeepSpeedCPUAdam), so it is treated as incompatible when the
-  previous shape is known.
-* no DeepSpeed -> DeepSpeed: transformers raises `Can't find a valid checkpoint`.
-* DeepSpeed -> no DeepSpeed: weights load, optimizer AND LR scheduler silently restart.
-* ZeRO-1/2 <-> ZeRO-3, or a different world size under DeepSpeed: optimizer state does not load.
-  Those go `universal` (DeepSpeed's ds_to_universal, when allowed), else `weights_only` (when
-  allowed, recorded loudly as a semantic change), else `restart`.
+Compatibility rules. [run] = measured here through LLaMA-Factory 0.9.5, transformers 5.6,
+DeepSpeed 0.19.8 on the CPU; [read] = from upstream source only.
+* same shape: exact resume; losses bit-identical to an uninterrupted run [run].
+* micro-batch x grad-accum changed, product (x world size) kept: exact on transformers >= 5.2
+  (LR identical, losses within 1e-4) [run]; older transformers read the checkpoint's
+  `train_batch_size` back, so the smaller micro-batch would silently not apply: the plan
+  patches trainer_state.json after backing it up [read; the patch itself is run on real files].
+* ZeRO-3, same world size: optimizer offload ON -> OFF and param offload either way resume
+  exactly [run]; optimizer offload OFF -> ON loads, then the first step dies in DeepSpeedCPUAdam
+  with KeyError 'bias_correction' [run]: incompatible when the previous shape is known.
+* no DeepSpeed -> ZeRO-3: `Can't find a valid checkpoint` [run]. ZeRO-3 -> ZeRO-2:
+  AssertionError [run]. ZeRO-3 -> no DeepSpeed: weights and step continue, optimizer and LR
+  schedule silently restart (LR 0.0 at the next step) [run].
+* ZeRO-3 on 2 ranks -> 1: ZeRORuntimeException [run]; after ds_to_universal + load_universal
+  it resumes with the LR schedule continuing and losses matching [run]. Universal is offered
+  only for such world-size changes within the same ZeRO layout (stage changes not run).
+* otherwise `weights_only` when the policy allows (recorded loudly), else `restart`.
 """
 
 from __future__ import annotations
@@ -536,7 +538,10 @@ def plan_resume(
     if why_not is None:
         return _exact(ckpt, prev, nxt, transformers_version)
 
-    if allow_universal and ckpt.deepspeed and dst_stage is not None and src_stage in (2, 3):
+    # Verified here for ZeRO-3 with a world-size change (2 ranks -> 1: converted in 2 s, resumed
+    # with the LR schedule continuing). Stage changes via universal were not run: not offered.
+    same_layout = src_stage in (2, 3) and dst_stage is not None and (src_stage == 3) == (dst_stage == 3)
+    if allow_universal and ckpt.deepspeed and same_layout and src_world != nxt.world_size:
         tag = ckpt.ds_tag or f"global_step{ckpt.step}"
         target = ckpt.path / f"{tag}_universal"
         return ResumePlan(

@@ -201,3 +201,11 @@ def test_plans_are_frozen():
     with pytest.raises(AttributeError):
         plan.mode = "fresh"  # type: ignore[misc]
     assert replace(plan, mode="fresh").mode == "fresh"
+
+
+def test_universal_is_not_offered_for_a_zero_stage_change():
+    """Only world-size changes within one ZeRO layout were verified through ds_to_universal."""
+    c = ckpt(deepspeed=True, zero_stage=2, world=2)
+    plan = plan_resume(c, prev=None, nxt=shape(stage=3, world=1), transformers_version="5.6.0",
+                       allow_universal=True)
+    assert plan.mode == "restart"
