@@ -115,7 +115,7 @@ class Runner:
 
         resume_yaml: dict[str, Any] = {}
         resumed_from = resumed_step = None
-        output_dir = None
+        output_dir = plan = None
         if spec.kind == "llamafactory":
             output_dir = spec.resolve(spec.config["output_dir"]) if spec.config.get("output_dir") else None
             try:
@@ -133,8 +133,15 @@ class Runner:
                 if plan.checkpoint is not None:
                     resumed_from, resumed_step = str(plan.checkpoint.path), plan.checkpoint.step
 
-        rendered = render_attempt(spec, overrides, attempt_dir=paths.root, resume_yaml=resume_yaml,
-                                  launcher=self.launcher_for(spec))
+        try:
+            rendered = render_attempt(spec, overrides, attempt_dir=paths.root, resume_yaml=resume_yaml,
+                                      launcher=self.launcher_for(spec))
+            if plan is not None and plan.deepspeed:
+                _merge_ds(rendered.files, plan.deepspeed)
+        except Exception as exc:
+            self.store.transition(job.id, JobState.RUNNING, "preparing attempt")
+            self._fail(job.id, f"cannot render attempt {number}: {exc}")
+            return None
         for name, content in rendered.files.items():
             atomic_write_text(paths.root / name, content)
         if spec.kind == "llamafactory":
@@ -184,11 +191,11 @@ class Runner:
             return None
         from .checkpoints import apply_fixups, plan_resume, quarantine, run_shape, scan_output_dir
 
-        scan = scan_output_dir(output_dir)
+        scan = scan_output_dir(output_dir, expected_world_size=spec.world_size)
         for inc in scan.incomplete:
             moved = quarantine(inc)
             self._event(job.id, "checkpoint_quarantined",
-                        f"{inc.path.name} is incomplete ({inc.reason}); moved aside to {moved.name}",
+                        f"{inc.path.name} is incomplete ({inc.reason}); moved aside to {moved}",
                         attempt=number, path=str(moved))
         ckpt = scan.latest
         prev_attempt = self.store.last_attempt(job.id)
@@ -200,14 +207,25 @@ class Runner:
         versions = self._versions_for(spec)
         policy = self._policy(spec, job)
         plan = plan_resume(ckpt, prev=prev, nxt=nxt, transformers_version=versions.get("transformers"),
-                           allow_weights_only=bool(getattr(policy, "allow_weights_only", False)),
-                           allow_universal=bool(getattr(policy, "allow_universal", False)))
-        if plan.checkpoint is not None or plan.mode not in ("fresh",):
-            for done in apply_fixups(plan):
+                           allow_weights_only=policy.allow_weights_only,
+                           allow_universal=policy.allow_universal_checkpoint,
+                           archive_name=f"attempt-{number}")
+        if plan.checkpoint is not None or plan.mode != "fresh":
+            for done in apply_fixups(plan, python=self._job_python(spec)):
                 self._event(job.id, "resume_fixup", done, attempt=number)
             self._event(job.id, "resume_plan", plan.reason, attempt=number, mode=plan.mode,
                         semantic_change=plan.semantic_change)
+        if plan.semantic_change:
+            self._event(job.id, "semantic_change", f"TRAINING SEMANTICS CHANGE: {plan.semantic_change}",
+                        attempt=number)
         return plan
+
+    def _job_python(self, spec) -> str | None:
+        import shutil
+
+        exe = shutil.which(self.launcher_for(spec)[0])
+        cand = Path(exe).parent / "python" if exe else None
+        return str(cand) if cand and cand.exists() else None
 
     def _validate_rendered(self, path: Path, spec) -> list:
         from .llamafactory.validate import validate_config
@@ -569,6 +587,20 @@ def _ds_of(spec, overrides: Overrides) -> dict | None:
                 return None
         return read_json(spec.resolve(text))
     return None
+
+
+def _merge_ds(files: dict[str, str], keys: dict[str, Any]) -> None:
+    """Resume needs DeepSpeed keys (e.g. load_universal) in the attempt's generated JSON."""
+    if "ds_config.json" not in files:
+        raise RuntimeError("the resume needs DeepSpeed settings "
+                           f"{sorted(keys)} but this attempt has no generated DeepSpeed config")
+    cfg = json.loads(files["ds_config.json"])
+    for k, v in keys.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    files["ds_config.json"] = json.dumps(cfg, indent=2) + "\n"
 
 
 def _size(path: Path) -> int:

@@ -70,7 +70,7 @@ def read_progress(
     records, bad = _parse_lines(complete.split(b"\n") if complete else [])
     if since_step is not None:
         records = [r for r in last_attempt(records) if (_int(r.get("current_steps")) or 0) > since_step]
-    return summarize(records, bad_lines=bad, end_offset=end_offset)
+    return summarize(records, bad_lines=bad, end_offset=end_offset, resumed_from=since_step)
 
 
 def last_attempt(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -94,7 +94,8 @@ def last_attempt(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return records[start:]
 
 
-def summarize(records: list[dict[str, Any]], *, bad_lines: int = 0, end_offset: int = 0) -> Progress:
+def summarize(records: list[dict[str, Any]], *, bad_lines: int = 0, end_offset: int = 0,
+              resumed_from: int | None = None) -> Progress:
     """Pure: a Progress from parsed log records of one attempt, oldest first."""
     steps = [(s, r) for r in records if (s := _int(r.get("current_steps"))) is not None]
     if not steps:
@@ -118,6 +119,10 @@ def summarize(records: list[dict[str, Any]], *, bad_lines: int = 0, end_offset: 
             k0, k1 = _int(r0.get("total_tokens")), _int(r1.get("total_tokens"))
             if k0 is not None and k1 is not None and k1 >= k0:
                 tokens_per_s = (k1 - k0) / dt
+    elif len(timed) == 1 and resumed_from is not None and timed[0][0] > resumed_from and timed[0][1]:
+        # One line since a resume: LLaMA-Factory's timer restarted with this attempt's training,
+        # so the steps done since the resume point over its elapsed time is this attempt's rate.
+        steps_per_s = (timed[0][0] - resumed_from) / timed[0][1]
     return Progress(
         max_step=max_step,
         total_steps=total,

@@ -112,6 +112,12 @@ class Policy(_Strict):
     # Switching a run to DeepSpeed (or between ZeRO stages) cannot load the
     # checkpoints it already wrote; with this false such a rung is skipped.
     allow_restart_for_deepspeed: bool = False
+    # When a checkpoint's optimizer state cannot be loaded by the next configuration:
+    # convert it with DeepSpeed's universal checkpoint (keeps optimizer and schedule) ...
+    allow_universal_checkpoint: bool = True
+    # ... or continue from its weights alone with a fresh optimizer (a semantic change,
+    # recorded loudly). Off by default: never silently.
+    allow_weights_only: bool = False
     shortfall_margin: float = Field(1.15, ge=1.0)
     # A configuration is predicted to fit when it needs at most (1 - fit_headroom) of the GPU.
     fit_headroom: float = Field(0.05, ge=0.0, lt=0.5)

@@ -72,3 +72,15 @@ def test_steps_lost():
                                                ("soon", None), (None, None), (7, 7.0)])
 def test_parse_elapsed(text, seconds):
     assert parse_elapsed(text) == seconds
+
+
+def test_single_line_after_resume_still_gives_a_step_rate(tmp_path):
+    from supervisor.progress import read_progress
+
+    log = tmp_path / "trainer_log.jsonl"
+    log.write_text('{"current_steps": 8, "total_steps": 9, "elapsed_time": "0:00:40"}\n')
+    offset = log.stat().st_size
+    with open(log, "a") as f:
+        f.write('{"current_steps": 9, "total_steps": 9, "elapsed_time": "0:00:04"}\n')
+    p = read_progress(tmp_path, since_step=8, since_offset=offset)
+    assert p.max_step == 9 and p.steps_per_s == 0.25
