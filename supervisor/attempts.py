@@ -72,14 +72,17 @@ class Runner:
         self.clock = clock
         self.cgroup_support = detect_cgroup() if cfg.cgroups == "auto" else None
         self._versions: dict[str, dict[str, str | None]] = {}
+        self._specs: dict[int, jobspec_mod.JobSpec] = {}  # job.yaml never changes once accepted
 
     # --- helpers -----------------------------------------------------------------------
     def spec_of(self, job_id: int) -> jobspec_mod.JobSpec:
-        jp = self.cfg.state.job(job_id)
-        job = self.store.job(job_id)
-        text = jp.job_file.read_text()
-        return jobspec_mod.parse_job_text(text, source=job.source or "", submit_dir=Path(job.workdir),
-                                          check_lf=False)
+        if job_id not in self._specs:
+            jp = self.cfg.state.job(job_id)
+            job = self.store.job(job_id)
+            text = jp.job_file.read_text()
+            self._specs[job_id] = jobspec_mod.parse_job_text(
+                text, source=job.source or "", submit_dir=Path(job.workdir), check_lf=False)
+        return self._specs[job_id]
 
     def gpus_of(self, job_id: int) -> list[int] | None:
         try:
