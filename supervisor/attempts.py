@@ -73,6 +73,7 @@ class Runner:
         self.cgroup_support = detect_cgroup() if cfg.cgroups == "auto" else None
         self._versions: dict[str, dict[str, str | None]] = {}
         self._specs: dict[int, jobspec_mod.JobSpec] = {}  # job.yaml never changes once accepted
+        self._gpu_caps: dict[int, int] | None = None  # probed once, when a decision first needs it
 
     # --- helpers -----------------------------------------------------------------------
     def spec_of(self, job_id: int) -> jobspec_mod.JobSpec:
@@ -487,9 +488,16 @@ class Runner:
             local = spec.resolve(str(model))
             shape_fields = context_fields(read_model_shape(local)) if local.exists() else {}
         versions = self._versions_for(spec) if spec.kind == "llamafactory" else {}
+        if self._gpu_caps is None:
+            from .gpus import probe_capacities
+
+            self._gpu_caps = probe_capacities()
+        from .gpus import capacity_for
+
         return JobContext(
             id=job.id, name=job.name, kind=spec.kind, config=dict(spec.config), world_size=spec.world_size,
             max_attempts=spec.sup.max_attempts or 8, host_ram_bytes=psutil.virtual_memory().total,
+            gpu_capacity_bytes=capacity_for(self._gpu_caps, spec.sup.gpus),
             torch_version=versions.get("torch"), transformers_version=versions.get("transformers"),
             uses_vllm=str(spec.config.get("infer_backend", "")).lower() == "vllm",
             deepspeed_config=_ds_of(spec, Overrides()), **shape_fields)
