@@ -183,13 +183,20 @@ def job_summary(store, job) -> dict[str, Any]:
     return {
         "id": job.id, "name": job.name, "state": str(job.state), "attempts": len(attempts),
         "kind": job.kind, "priority": job.priority,
-        "remedy": (last.remedy if last else None),
+        "remedy": _short_remedy(last),
         "next_remedy": (json.loads(job.next_overrides).get("rungs") if job.next_overrides else None),
         "progress": progress,
         "last_diagnosis": diag.get("category") if diag else None,
         "reason": job.reason, "submitted_at": job.submitted_at, "updated_at": job.updated_at,
         "not_before": job.not_before,
     }
+
+
+def _short_remedy(attempt) -> str | None:
+    """'micro_batch x2' for the status table; `show` has the full settings."""
+    rungs = ((attempt.json("overrides") or {}).get("rungs") or []) if attempt else []
+    names = list(dict.fromkeys(rungs))
+    return " + ".join(f"{n} x{rungs.count(n)}" if rungs.count(n) > 1 else n for n in names) or None
 
 
 def cmd_status(args) -> int:
@@ -208,11 +215,13 @@ def cmd_status(args) -> int:
     from rich.table import Table
 
     table = Table(box=None, pad_edge=False)
-    for col in ("ID", "NAME", "STATE", "ATT", "REMEDY", "PROGRESS", "LAST", "WHY"):
-        table.add_column(col, overflow="fold")
+    for col in ("ID", "NAME", "STATE", "ATT", "PROGRESS", "LAST"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("REMEDY", overflow="fold", min_width=12)
+    table.add_column("WHY", overflow="fold", min_width=20)
     for r in rows:
-        table.add_row(str(r["id"]), r["name"], r["state"], str(r["attempts"]), r["remedy"] or "-",
-                      r["progress"] or "-", r["last_diagnosis"] or "-", (r["reason"] or "")[:90])
+        table.add_row(str(r["id"]), r["name"], r["state"], str(r["attempts"]), r["progress"] or "-",
+                      r["last_diagnosis"] or "-", r["remedy"] or "-", (r["reason"] or "")[:160])
     console = Console()
     if paused:
         console.print(f"[bold red]queue paused[/]: {paused} (fix it, then `oom-supervisor unpause`)")
