@@ -62,6 +62,8 @@ class Active:
     adopted: bool = False
     fatal: list = field(default_factory=list)
     progress_offset: int | None = None  # trainer_log.jsonl size at launch: later lines are this attempt's
+    next_sample_mono: float = 0.0
+    published_step: int | None = None
 
 
 class Runner:
@@ -156,15 +158,23 @@ class Runner:
                 return None
 
         env = self._environment(spec, rendered.env)
-        os.umask(0o022)
         atomic_write_json(paths.environment, {"argv": rendered.argv, "cwd": str(spec.workdir),
-                                              "env": env, "set_by_attempt": rendered.env})
-        os.chmod(paths.environment, 0o600)
+                                              "env": env, "set_by_attempt": rendered.env}, mode=0o600)
 
         rlimits, cgroup, mechanism = self._limits(spec, job.id, number)
         progress_offset = _size(output_dir / "trainer_log.jsonl") if output_dir else None
         remedy = _remedy_text(overrides, rendered.changes)
         with self.store.tx():
+            current = self.store.job(job.id)
+            if current is None or current.state not in (JobState.QUEUED, JobState.INTERRUPTED,
+                                                        JobState.WAITING_RETRY):
+                # Cancelled (or otherwise moved) by the CLI while we prepared: launch nothing.
+                if cgroup is not None:
+                    cgroup.remove(timeout_s=0.1)
+                self._event(job.id, "attempt_abandoned",
+                            f"attempt {number} was prepared but not launched: the job is now "
+                            f"{current.state if current else 'gone'}", attempt=number)
+                return None
             self.store.add_attempt(job.id, number, overrides=json.dumps(overrides.to_dict()),
                                    remedy=remedy, resumed_from=resumed_from,
                                    resumed_from_step=resumed_step)
@@ -176,6 +186,8 @@ class Runner:
             handle = proctree.launch(paths, argv=rendered.argv, cwd=spec.workdir, env=env,
                                      rlimits=rlimits, cgroup=cgroup)
         except Exception as exc:
+            if cgroup is not None:
+                cgroup.remove(timeout_s=0.1)
             self.store.update_attempt(job.id, number, ended_at=self.clock(),
                                       exit=json.dumps({"returncode": None, "error": str(exc)}))
             self._fail(job.id, f"could not launch: {exc}")
@@ -303,8 +315,14 @@ class Runner:
                         f"line {ev.line_no}: {ev.text[:300]} -> stopping the attempt now", attempt=act.number,
                         rule=ev.rule)
             act.teardown_s = proctree.terminate(act.handle, grace_s=self.cfg.fatal_grace)
-        self._sample(act)
         now = time.monotonic()
+        if now >= act.next_sample_mono:  # the log may wake us 50 times a second: sample less often
+            act.next_sample_mono = now + 0.5
+            self._sample(act)
+            if act.last_step is not None and act.last_step != act.published_step:
+                act.published_step = act.last_step  # so `status` shows progress while it runs
+                self.store.update_attempt(act.job_id, act.number, max_step=act.last_step,
+                                          total_steps=act.scanner.total_steps)
         if (act.stopped_by is None and act.hang_timeout and now - act.last_output_mono > act.hang_timeout):
             act.stopped_by = "hang"
             act.detected_at = self.clock()
@@ -344,7 +362,21 @@ class Runner:
         act.peak_rss = max(act.peak_rss, rss)
         act.min_available = avail if act.min_available is None else min(act.min_available, avail)
 
-    def stop(self, act: Active, *, reason: str, grace_s: float) -> None:
+    def internal_failure(self, job_id: int, what: str) -> None:
+        """Our own error while handling a job: fail it loudly so `retry` can take it again,
+        rather than leave it `running` with nobody following it."""
+        job = self.store.job(job_id)
+        if job is None:
+            return
+        msg = (f"internal error while trying to {what}; `oom-supervisor retry {job_id}` resumes it "
+               "from its last complete checkpoint")
+        self.store.event(job_id, "internal_error", msg)
+        if job.state in (JobState.QUEUED, JobState.INTERRUPTED):
+            job = self.store.transition(job_id, JobState.RUNNING, "preparing an attempt")
+        if job.state in (JobState.RUNNING, JobState.WAITING_RETRY):
+            self._fail(job_id, msg)
+
+    def stop(self, act: Active, reason: str, grace_s: float) -> None:
         if act.stopped_by is None:
             act.stopped_by = reason
             act.detected_at = self.clock()
@@ -371,7 +403,8 @@ class Runner:
                     + (f"/{diagnosis.subkind}" if diagnosis.subkind else "") + f": {diagnosis.summary}",
                     attempt=act.number, teardown_s=act.teardown_s)
 
-        if act.stopped_by == "cancel":
+        job_now = self.store.job(act.job_id)
+        if act.stopped_by == "cancel" or (job_now is not None and job_now.cancel_requested):
             self.store.update_attempt(act.job_id, act.number, decision=json.dumps({"kind": "cancelled"}))
             self.store.transition(act.job_id, JobState.CANCELLED, "cancelled by the user")
             self.notifier.send(self._job_event(act.job_id, "cancelled", "cancelled by the user"))
@@ -519,7 +552,7 @@ class Runner:
         return out
 
     # --- crash recovery -------------------------------------------------------------------------------
-    def recover(self, job: JobRow, *, adopt: bool) -> Active | None:
+    def recover(self, job: JobRow, adopt: bool) -> Active | None:
         from .daemon import find_shim_by_launch_file
 
         attempt = self.store.last_attempt(job.id)

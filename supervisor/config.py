@@ -47,12 +47,12 @@ class DaemonConfig(BaseModel):
     policy_dirs: list[Path] = Field(default_factory=list)
     launcher: list[str] = Field(default_factory=lambda: ["llamafactory-cli"])
     max_parallel: int = Field(default=1, ge=1)
-    poll_interval: float = 1.0
+    poll_interval: float = Field(default=1.0, gt=0)
     settle_time: float = 2.0
     max_job_file_bytes: int = 1024 * 1024
     stop_grace: float = 30.0
     fatal_grace: float = 0.5
-    hang_timeout: float = 1800.0
+    hang_timeout: float = Field(default=1800.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
     notify: list[NotifySpec] = Field(default_factory=list)
     on_restart: str = "adopt"
@@ -125,6 +125,7 @@ def load_config(path: Path | None = None, *, state_dir: Path | None = None,
             else:
                 msgs.append(f"{key}: {e['msg']}")
         raise ConfigError(f"{conf_path}: " + "; ".join(msgs)) from None
-    cfg.state_dir = Path(state_dir or env.get(ENV_STATE) or cfg.state_dir or d_state).expanduser()
-    cfg.spool_dir = Path(spool_dir or env.get(ENV_SPOOL) or cfg.spool_dir or d_spool).expanduser()
+    # Absolute: attempts run with cwd=workdir, so paths into the state folder must not be relative.
+    cfg.state_dir = Path(state_dir or env.get(ENV_STATE) or cfg.state_dir or d_state).expanduser().resolve()
+    cfg.spool_dir = Path(spool_dir or env.get(ENV_SPOOL) or cfg.spool_dir or d_spool).expanduser().resolve()
     return cfg

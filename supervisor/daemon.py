@@ -123,20 +123,37 @@ class Daemon:
         while not self.stopping and time.monotonic() < end:
             time.sleep(min(0.02, max(0.0, end - time.monotonic())))
             if any(_log_grew(act) for act in self.active.values()):
-                return
+                self._run_step("monitor", self.step_monitor)  # only the cheap step, not a full tick
 
     def tick(self) -> None:
         for name, step in self.steps:
             if self.stopping and name in ("intake", "schedule"):
                 continue
+            self._run_step(name, step)
+        self.notifier.reap()
+
+    def _run_step(self, name: str, step) -> None:
+        try:
+            step()
+        except Exception as exc:  # one failing step must not stop the loop
+            log.exception("step_failed", step=name)
             try:
-                step()
-            except Exception as exc:  # one failing step must not stop the loop
-                log.exception("step_failed", step=name)
-                try:
-                    self.store.event(None, "daemon_error", f"step {name} failed: {exc!r}")
-                except Exception:
-                    pass
+                self.store.event(None, "daemon_error", f"step {name} failed: {exc!r}")
+            except Exception:
+                pass
+
+    def _per_job(self, job_id: int, what: str, fn, *args):
+        """Run fn for one job; an error fails THAT job (retry-able) instead of every tick."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            log.exception("job_step_failed", job=job_id, step=what)
+            self.active.pop(job_id, None)
+            try:
+                self.runner.internal_failure(job_id, f"{what}: {exc!r}")
+            except Exception:
+                log.exception("internal_failure_not_recorded", job=job_id)
+            return None
 
     def shutdown(self) -> None:
         """Stop running attempts gracefully; they are interrupted, not failed."""
@@ -147,6 +164,7 @@ class Daemon:
                 self.runner.finish(act)
             except Exception:
                 log.exception("shutdown_stop_failed", job=job_id)
+        self.notifier.reap(wait=True)
 
     # --- steps ----------------------------------------------------------------------
     def step_intake(self) -> None:
@@ -157,15 +175,14 @@ class Daemon:
         """Act on requests the CLI left in the record (cancel of a running job)."""
         for job_id, act in list(self.active.items()):
             job = self.store.job(job_id)
-            if job is not None and job.cancel_requested:
-                self.runner.stop(act, reason="cancel", grace_s=self.cfg.stop_grace)
+            if job is not None and job.cancel_requested and act.stopped_by is None:
+                self._per_job(job_id, "cancel", self.runner.stop, act, "cancel", self.cfg.stop_grace)
 
     def step_monitor(self) -> None:
         for job_id, act in list(self.active.items()):
-            done = self.runner.poll(act)
-            if done:
+            if self._per_job(job_id, "follow", self.runner.poll, act):
                 del self.active[job_id]
-                self.runner.finish(act)
+                self._per_job(job_id, "judge the attempt", self.runner.finish, act)
 
     def step_schedule(self) -> None:
         paused = self.store.get_meta("queue_paused")
@@ -180,7 +197,7 @@ class Daemon:
                 break
             if not self._gpus_free(job):
                 continue
-            act = self.runner.start(job)
+            act = self._per_job(job.id, "start an attempt", self.runner.start, job)
             if act is not None:
                 self.active[job.id] = act
 
@@ -195,11 +212,8 @@ class Daemon:
     # --- crash recovery ----------------------------------------------------------------
     def recover(self) -> None:
         for job in self.store.jobs({JobState.RUNNING}):
-            try:
-                act = self.runner.recover(job, adopt=self.cfg.on_restart == "adopt")
-            except Exception:
-                log.exception("recover_failed", job=job.id)
-                continue
+            act = self._per_job(job.id, "recover after restart", self.runner.recover, job,
+                                self.cfg.on_restart == "adopt")
             if act is not None:
                 self.active[job.id] = act
 

@@ -32,8 +32,8 @@ def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
     atomic_write_bytes(path, text.encode(), mode=mode)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+def atomic_write_json(path: Path, obj: Any, *, mode: int = 0o644) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", mode=mode)
 
 
 def fsync_dir(path: Path) -> None:

@@ -41,26 +41,36 @@ class JobFileError(ValueError):
 
 
 def parse_size(value: int | str) -> int:
-    """'2GiB', '1500M', 2000000000 -> bytes. Binary units; 'G' means GiB."""
-    if isinstance(value, int):
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m:
+    """'2GiB', '1500M', 2000000000 -> bytes. Binary units; 'G' means GiB. Must be > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"not a size: {value!r} (use e.g. 2GiB, 1500MiB or a byte count)")
-    num = float(m.group(1))
-    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
-    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
-    return int(num * mult)
+    if isinstance(value, int):
+        size = value
+    else:
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ValueError(f"not a size: {value!r} (use e.g. 2GiB, 1500MiB or a byte count)")
+        unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+        size = int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
+    if size <= 0:
+        raise ValueError(f"must be more than 0 bytes, got {value!r}")
+    return size
 
 
 def parse_duration(value: float | int | str) -> float:
-    """'30m', '2h', 90 -> seconds."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    m = _DURATION_RE.match(str(value))
-    if not m:
+    """'30m', '2h', 90 -> seconds. Never negative."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"not a duration: {value!r} (use e.g. 90, 30m or 2h)")
-    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[(m.group(2) or "s").lower()]
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION_RE.match(value)
+        if not m:
+            raise ValueError(f"not a duration: {value!r} (use e.g. 90, 30m or 2h)")
+        seconds = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[(m.group(2) or "s").lower()]
+    if seconds < 0:
+        raise ValueError(f"must not be negative, got {value!r}")
+    return seconds
 
 
 class NotifySpec(BaseModel):
@@ -83,7 +93,7 @@ class SupervisorBlock(BaseModel):
     nproc_per_node: int | None = Field(default=None, ge=1)
     priority: int = 0
     max_attempts: int | None = Field(default=None, ge=1, le=100)
-    hang_timeout: float | None = None
+    hang_timeout: float | None = Field(default=None, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
     notify: list[NotifySpec] = Field(default_factory=list)
     command: list[str] | None = None

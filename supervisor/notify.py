@@ -25,7 +25,8 @@ class Notifier:
     def send(self, event: dict[str, Any]) -> None:
         job_specs = event.pop("_job_notify", None) or []
         self.reap()
-        self.log.info("notify", **{k: v for k, v in event.items() if k != "changes"})
+        self.log.info("notify", **{("notify_event" if k == "event" else k): v
+                                   for k, v in event.items() if k != "changes"})
         payload = (json.dumps(event, default=str) + "\n").encode()
         for spec in [*self.specs, *job_specs]:
             if event.get("event") not in spec.on:

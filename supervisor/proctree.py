@@ -103,7 +103,7 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
         "rlimits": rlimits or {},
         "cgroup_procs": str(cgroup.procs_file) if cgroup else None,
     }
-    atomic_write_json(paths.launch, spec)
+    atomic_write_json(paths.launch, spec, mode=0o600)  # the environment may hold tokens
     with open(paths.log, "ab") as log:
         popen = subprocess.Popen(
             [sys.executable, "-m", "supervisor.shim", str(paths.launch)],
@@ -141,16 +141,18 @@ def terminate(handle: Handle, *, grace_s: float, clock=time.monotonic) -> float:
         if handle.cgroup is not None:
             handle.cgroup.kill_all()
         _signal(left, signal.SIGKILL)
-    # The shim now reaps, writes exit.json and exits; give it a moment, then force it.
+    # The shim now reaps, writes exit.json and exits; give it a moment.
     shim_deadline = clock() + 10.0
     while handle.alive() and clock() < shim_deadline:
         _signal(handle.processes(), signal.SIGKILL)
         time.sleep(0.02)
-    if handle.alive():
-        shim = handle.shim()
+    if handle.alive() and not handle.processes():
+        shim = handle.shim()  # its job is gone but it is stuck: force it
         if shim is not None:
             _signal([shim], signal.SIGKILL)
-    if handle.popen is not None:
+    # Processes that survive SIGKILL (uninterruptible sleep in a hung driver) keep the shim, and
+    # so the attempt, alive: it is not over, and no new attempt may take its GPUs, until they go.
+    if handle.popen is not None and not handle.processes():
         try:
             handle.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -166,6 +166,11 @@ class LogScanner:
         return self._last_step
 
     @property
+    def total_steps(self) -> int | None:
+        """The `M` of the progress bar's `N/M`, once seen."""
+        return self._total
+
+    @property
     def lines_seen(self) -> int:
         return self._lines
 

@@ -207,3 +207,55 @@ def test_cli_submit_wait_and_bad_input_exit_codes(daemon, tmp_path):
     assert res.returncode == 2 and "did you mean 'gpus'" in res.stderr
     assert daemon.cli("show", "42").returncode == 2
     assert yaml_text
+
+
+def test_status_shows_progress_while_running_and_notifications_run(dirs, tmp_path):
+    state, spool, _ = dirs
+    sink = tmp_path / "notified.jsonl"
+    notify = [sys.executable, "-c", f"import sys; open({str(sink)!r}, 'a').write(sys.stdin.read())"]
+    d = DaemonProc(state, spool, write_config(tmp_path / "c.yaml", notify=[{"command": notify,
+                                                                             "on": ["succeeded"]}]),
+                   tmp_path / "d.log")
+    progress = tmp_path / "progress.txt"
+    d.start()
+    try:
+        drop(spool, "p.yaml", job(tmp_path, "--steps", "40", "--sleep", "0.1", f"--progress={progress}"))
+        def running_with_progress():
+            rows = d.status()
+            return rows and rows[0]["state"] == "running" and (rows[0]["progress"] or "").startswith("step ")
+
+        d.wait_for(running_with_progress, what="live progress in status")
+        assert d.status()[0]["progress"].endswith("/40")
+        d.wait_state(1, "succeeded", timeout=60)
+        d.wait_for(sink.exists, what="notification")
+        event = json.loads(sink.read_text().splitlines()[0])
+        assert event["event"] == "succeeded" and event["job"] == 1
+        assert "daemon_error" not in d.log_path.read_text()
+    finally:
+        d.stop()
+
+
+def test_relative_state_dir_still_works(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    cfg = write_config(tmp_path / "c.yaml")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "daemon", "--state-dir", "st",
+                             "--spool-dir", "sp", "--config", str(cfg)], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        drop(tmp_path / "sp", "r.yaml", command_job(work, [sys.executable, "-c", "print('ok')"]))
+        d = DaemonProc(tmp_path / "st", tmp_path / "sp", cfg, tmp_path / "unused.log")
+        d.wait_state(1, "succeeded", timeout=30)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_launch_files_holding_the_environment_are_private(daemon, tmp_path):
+    daemon.start()
+    drop(daemon.spool, "s.yaml", command_job(tmp_path / "work", ["true"], env={"HF_TOKEN": "secret"}))
+    daemon.wait_state(1, "succeeded")
+    attempt = daemon.state / "jobs" / "1" / "attempt-1"
+    for name in ("launch.json", "environment.json"):
+        assert (attempt / name).stat().st_mode & 0o077 == 0, name

@@ -142,3 +142,18 @@ def test_with_workdir_keeps_explicit_workdir_and_handles_flow_style(tmp_path):
     assert yaml.safe_load(out)["supervisor"] == {"command": ["a"], "workdir": str(tmp_path)}
     out = with_workdir("model_name_or_path: m\n", tmp_path)
     assert yaml.safe_load(out)["supervisor"]["workdir"] == str(tmp_path)
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("hang_timeout", -5, "must not be negative"),
+    ("hang_timeout", 0, "greater than 0"),
+    ("host_memory_limit", 0, "more than 0 bytes"),
+    ("host_memory_limit", True, "not a size"),
+    ("host_memory_limit", -1, "more than 0 bytes"),
+    ("host_memory_limit", "lots", "not a size"),
+])
+def test_nonsense_limits_are_refused(tmp_path, key, value, needle):
+    text = yaml.safe_dump({"supervisor": {"command": ["true"], key: value}})
+    with pytest.raises(JobFileError) as exc:
+        parse_job_text(text, submit_dir=tmp_path)
+    assert needle in exc.value.report() and f"supervisor.{key}" in exc.value.report()

@@ -61,6 +61,7 @@ if a.progress and os.path.exists(a.progress):
 for step in range(start + 1, a.steps + 1):
     time.sleep(a.sleep)
     print(f"step {step}/{a.steps} loss {1.0 / step:.4f}", flush=True)
+    print(f"{100 * step // a.steps:3d}%|#| {step}/{a.steps} [00:01<00:01,  1.00it/s]", flush=True)
     if a.progress:
         with open(a.progress, "a") as f:
             f.write(f"{step}\n")
