@@ -214,18 +214,24 @@ def cmd_status(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(box=None, pad_edge=False)
-    for col in ("ID", "NAME", "STATE", "ATT", "PROGRESS", "LAST"):
-        table.add_column(col, no_wrap=True)
-    table.add_column("REMEDY", overflow="fold", min_width=12)
-    table.add_column("WHY", overflow="fold", min_width=20)
-    for r in rows:
-        table.add_row(str(r["id"]), r["name"], r["state"], str(r["attempts"]), r["progress"] or "-",
-                      r["last_diagnosis"] or "-", r["remedy"] or "-", (r["reason"] or "")[:160])
     console = Console()
+    wide = console.width >= 120
+    table = Table(box=None, pad_edge=False)
+    for col in ("ID", "NAME", "STATE", "ATT", "PROGRESS", "LAST", "REMEDY"):
+        table.add_column(col, no_wrap=True)
+    if wide:
+        table.add_column("WHY", overflow="fold")
+    for r in rows:
+        cells = [str(r["id"]), r["name"], r["state"], str(r["attempts"]), r["progress"] or "-",
+                 r["last_diagnosis"] or "-", r["remedy"] or "-"]
+        table.add_row(*cells, *([r["reason"] or ""] if wide else []))
     if paused:
         console.print(f"[bold red]queue paused[/]: {paused} (fix it, then `oom-supervisor unpause`)")
     console.print(table if rows else "no jobs yet")
+    if not wide:  # reasons on their own lines rather than cropped into a narrow column
+        for r in rows:
+            if r["reason"]:
+                console.print(f"  {r['id']}: {r['reason']}", highlight=False)
     return EXIT_OK
 
 
