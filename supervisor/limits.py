@@ -161,14 +161,12 @@ class JobCgroup:
         return _kv(self.path / "memory.oom_control").get("oom_kill")
 
     def peak_bytes(self) -> int | None:
-        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
-        try:
-            return int((self.path / name).read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return None
+        return self._first_int("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")
 
     def current_bytes(self) -> int | None:
-        name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
+        return self._first_int("memory.current" if self.version == 2 else "memory.usage_in_bytes")
+
+    def _first_int(self, name: str) -> int | None:
         try:
             return int((self.path / name).read_text().split()[0])
         except (OSError, ValueError, IndexError):
