@@ -63,6 +63,7 @@ class Active:
     fatal: list = field(default_factory=list)
     progress_offset: int | None = None  # trainer_log.jsonl size at launch: later lines are this attempt's
     next_sample_mono: float = 0.0
+    known: dict = field(default_factory=dict)  # pid -> create_time of every process seen in the tree
     published_step: int | None = None
 
 
@@ -333,7 +334,36 @@ class Runner:
         act.handle.reap()
         if act.handle.alive():
             return False
+        if self._kill_orphans(act):
+            return False  # the shim died before its job (killed from outside): not over yet
         self._read_log(act)
+        return True
+
+    def _kill_orphans(self, act: Active) -> bool:
+        """Processes of this attempt that outlived its shim (reparented to init). True while any live."""
+        left = []
+        for pid, ctime in act.known.items():
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - ctime) < 0.05 and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.Error:
+                pass
+        if act.handle.cgroup is not None:
+            left += [psutil.Process(pid) for pid in act.handle.cgroup.pids() if psutil.pid_exists(pid)]
+        if not left:
+            return False
+        if act.stopped_by is None:
+            act.stopped_by = "orphaned"
+            self._event(act.job_id, "orphans_stopped",
+                        f"the attempt's shim is gone but {len(left)} of its processes still run "
+                        f"(pids {sorted(p.pid for p in left)[:8]}); stopping them before anything else "
+                        "may use their GPUs", attempt=act.number)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
         return True
 
     def _read_log(self, act: Active) -> None:
@@ -355,6 +385,8 @@ class Runner:
 
     def _sample(self, act: Active) -> None:
         try:
+            for p in act.handle.processes():
+                act.known.setdefault(p.pid, p.create_time())
             rss = act.handle.rss_bytes()
             avail = psutil.virtual_memory().available
         except Exception:

@@ -114,7 +114,8 @@ def test_power_loss_job_gone_without_exit_record_is_interrupted_and_resumed(daem
     drop(daemon.spool, "long.yaml", job(tmp_path, "--steps", "20", "--sleep", "0.1", f"--progress={progress}"))
     daemon.wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 2, what="progress")
     daemon.kill9()
-    for pid in pids_with_marker(marker(tmp_path)) + pids_with_marker("supervisor.shim"):
+    # (only this test's shim: its command line names the launch file in this test's state folder)
+    for pid in pids_with_marker(marker(tmp_path)) + pids_with_marker(str(daemon.state)):
         try:
             os.kill(pid, signal.SIGKILL)  # the box lost power: everything died at once
         except ProcessLookupError:
@@ -259,3 +260,20 @@ def test_launch_files_holding_the_environment_are_private(daemon, tmp_path):
     attempt = daemon.state / "jobs" / "1" / "attempt-1"
     for name in ("launch.json", "environment.json"):
         assert (attempt / name).stat().st_mode & 0o077 == 0, name
+
+
+def test_shim_killed_from_outside_leaves_no_orphan_training(daemon, tmp_path):
+    """Someone kill -9s the shim: its job is reparented to init, and we must still stop it
+    before another attempt could take its GPUs."""
+    daemon.start()
+    drop(daemon.spool, "o.yaml", job(tmp_path, "--steps", "1000", "--sleep", "0.1", "--ignore-term",
+                                     max_attempts=1))
+    daemon.wait_for(lambda: len(pids_with_marker(marker(tmp_path))) == 1 and daemon.job_state(1) == "running",
+                    what="running job")
+    time.sleep(1.0)  # let the daemon sample the tree
+    shims = [p for p in pids_with_marker(str(daemon.state)) if p != daemon.proc.pid]
+    assert len(shims) == 1
+    os.kill(shims[0], signal.SIGKILL)
+    daemon.wait_state(1, {"failed", "waiting_retry"}, timeout=30)
+    assert no_job_processes(tmp_path)
+    assert any(e["kind"] == "orphans_stopped" for e in daemon.show(1)["events"])
