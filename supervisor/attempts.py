@@ -269,11 +269,18 @@ class Runner:
             return None, None, None
         if self.cgroup_support is not None:
             try:
-                cg = JobCgroup.create(self.cgroup_support, f"job-{job_id}-attempt-{number}", limit)
+                cg = JobCgroup.create(self.cgroup_support, self._cgroup_name(job_id, number), limit)
                 return None, cg, cg.mechanism
             except OSError as exc:
                 log.warning("cgroup_create_failed", job=job_id, error=str(exc))
         return rlimits_for(limit), None, "rlimit-data"
+
+    def _cgroup_name(self, job_id: int, number: int) -> str:
+        """Unique per state folder: two daemons on one box must never share a job's cgroup."""
+        import hashlib
+
+        tag = hashlib.sha256(str(self.cfg.state.root).encode()).hexdigest()[:8]
+        return f"job-{job_id}-attempt-{number}-{tag}"
 
     def _versions_for(self, spec) -> dict[str, str | None]:
         """transformers/torch versions of the environment the job runs in (not ours)."""
@@ -604,7 +611,7 @@ class Runner:
         spec = self.spec_of(job.id)
         cg = None
         if self.cgroup_support is not None and spec.sup.host_memory_limit:
-            path = self.cgroup_support.parent / f"job-{job.id}-attempt-{attempt.number}"
+            path = self.cgroup_support.parent / self._cgroup_name(job.id, attempt.number)
             if path.exists():
                 cg = JobCgroup(path, self.cgroup_support.version)
         output_dir = spec.resolve(spec.config["output_dir"]) if spec.config.get("output_dir") else None
