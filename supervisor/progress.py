@@ -108,7 +108,11 @@ def summarize(records: list[dict[str, Any]], *, bad_lines: int = 0, end_offset: 
     last_lr = _num(losses[-1][1]) if losses else None
     epoch = next((e for _, r in reversed(steps) if (e := _num(r.get("epoch"))) is not None), None)
 
-    timed = [(s, t, r) for s, r in steps if (t := parse_elapsed(r.get("elapsed_time"))) is not None]
+    timed, seen = [], set()
+    for s, r in steps:  # one record per step: the end-of-training summary repeats the last step
+        if s not in seen and (t := parse_elapsed(r.get("elapsed_time"))) is not None:
+            seen.add(s)
+            timed.append((s, t, r))
     steps_per_s = tokens_per_s = None
     if len(timed) >= 2:
         (s0, t0, r0), (s1, t1, r1) = timed[0], timed[-1]

@@ -84,3 +84,13 @@ def test_single_line_after_resume_still_gives_a_step_rate(tmp_path):
         f.write('{"current_steps": 9, "total_steps": 9, "elapsed_time": "0:00:04"}\n')
     p = read_progress(tmp_path, since_step=8, since_offset=offset)
     assert p.max_step == 9 and p.steps_per_s == 0.25
+
+
+def test_summary_line_repeating_the_last_step_does_not_hide_the_rate(tmp_path):
+    from supervisor.progress import read_progress
+
+    log = tmp_path / "trainer_log.jsonl"
+    log.write_text('{"current_steps": 9, "total_steps": 9, "loss": 6.7, "elapsed_time": "0:00:03"}\n'
+                   '{"current_steps": 9, "total_steps": 9, "elapsed_time": "0:00:03"}\n')
+    p = read_progress(tmp_path, since_step=8, since_offset=0)
+    assert p.max_step == 9 and abs(p.steps_per_s - 1 / 3) < 1e-9
