@@ -198,7 +198,8 @@ class Runner:
         self._event(job.id, "attempt_started", f"attempt {number}: {' '.join(rendered.argv)}", attempt=number,
                     pid=handle.pid, changes=changes, memory_limit=spec.sup.host_memory_limit,
                     limit_mechanism=mechanism)
-        return Active(job_id=job.id, number=number, paths=paths, handle=handle, scanner=LogScanner(),
+        return Active(job_id=job.id, number=number, paths=paths, handle=handle,
+                      scanner=LogScanner(initial_step=resumed_step),
                       spec=spec, gpus=spec.sup.gpus, output_dir=output_dir, started_mono=time.monotonic(),
                       hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
                       last_step=resumed_step, progress_offset=progress_offset)
@@ -617,7 +618,8 @@ class Runner:
         output_dir = spec.resolve(spec.config["output_dir"]) if spec.config.get("output_dir") else None
         if handle is not None:
             handle.cgroup = cg
-            act = Active(job_id=job.id, number=attempt.number, paths=paths, handle=handle, scanner=LogScanner(),
+            act = Active(job_id=job.id, number=attempt.number, paths=paths, handle=handle,
+                         scanner=LogScanner(initial_step=attempt.resumed_from_step),
                          spec=spec, gpus=spec.sup.gpus, output_dir=output_dir, started_mono=time.monotonic(),
                          hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout, adopted=True,
                          last_step=attempt.resumed_from_step)
@@ -636,7 +638,8 @@ class Runner:
         if raw is not None:
             # It ended while we were down: judge it from what it left.
             act = Active(job_id=job.id, number=attempt.number, paths=paths,
-                         handle=proctree.Handle(attempt.pid or 0, 0.0, cgroup=cg), scanner=LogScanner(),
+                         handle=proctree.Handle(attempt.pid or 0, 0.0, cgroup=cg),
+                         scanner=LogScanner(initial_step=attempt.resumed_from_step),
                          spec=spec, gpus=spec.sup.gpus, output_dir=output_dir, started_mono=time.monotonic(),
                          hang_timeout=0, adopted=True, last_step=attempt.resumed_from_step)
             self._read_log(act)

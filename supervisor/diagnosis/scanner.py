@@ -134,7 +134,9 @@ def _last_segment(line: bytes) -> str:
 class LogScanner:
     """Incremental, bounded-memory reader of one attempt's combined stdout/stderr log."""
 
-    def __init__(self, *, max_evidence_per_rule: int = 5, tail_lines: int = 200):
+    def __init__(self, *, max_evidence_per_rule: int = 5, tail_lines: int = 200,
+                 initial_step: int | None = None):
+        """`initial_step`: the step a resumed attempt starts from (its bar first shows 0)."""
         self.max_evidence_per_rule = max(1, max_evidence_per_rule)
         self.tail_lines = max(1, tail_lines)
         self._lines = 0
@@ -147,7 +149,7 @@ class LogScanner:
         self._context: tuple[Phase, int] | None = None
         self._total: int | None = None
         self._needle: bytes | None = None
-        self._last_step: int | None = None
+        self._last_step: int | None = initial_step
         self._last_bar_line = 0
         self._watch: list[Finding] = []
         self._hip = False

@@ -245,3 +245,14 @@ def test_trie_pattern_matches_exactly_the_words():
     text = b"x HIP y hipError: z Errno 28 *****"
     assert sorted(m.end() for m in rx.finditer(text)) == sorted(
         m.end() for m in _re.finditer(b"|".join(_re.escape(w) for w in sorted(words, key=len, reverse=True)), text))
+
+
+def test_resumed_attempt_reports_the_resume_step_not_its_bar_starting_at_zero():
+    from supervisor.diagnosis import LogScanner
+
+    s = LogScanner(initial_step=8)
+    s.feed(b"  0%|          | 0/9 [00:00<?, ?it/s]\n"
+           b"RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+           b"allocate memory: you tried to allocate 22192128 bytes. Error code 12 (Cannot allocate memory)\n")
+    assert s.last_step == 8
+    assert "last step seen 8" in s.finish().summary
