@@ -26,12 +26,21 @@ from .diagnosis import LogScanner
 from .fsutil import atomic_write_json, atomic_write_text, read_json
 from .limits import JobCgroup, detect_cgroup, kernel_oom_lines, rlimits_for
 from .logsetup import log
-from .models import (AttemptRecord, Category, Decision, DecisionKind, Diagnosis, ExitRecord,
-                     HostEvidence, JobContext, Overrides)
+from .models import (
+    AttemptRecord,
+    Category,
+    Decision,
+    DecisionKind,
+    Diagnosis,
+    ExitRecord,
+    HostEvidence,
+    JobContext,
+    Overrides,
+)
 from .notify import Notifier
 from .paths import AttemptPaths
 from .states import JobState
-from .store import AttemptRow, JobRow, Store
+from .store import JobRow, Store
 
 READ_CHUNK = 1 << 20
 ENV_DROP_PREFIXES = ("OOM_SUPERVISOR_",)
@@ -164,7 +173,7 @@ class Runner:
 
         rlimits, cgroup, mechanism = self._limits(spec, job.id, number)
         progress_offset = _size(output_dir / "trainer_log.jsonl") if output_dir else None
-        remedy = _remedy_text(overrides, rendered.changes)
+        remedy = _remedy_text(overrides)
         with self.store.tx():
             current = self.store.job(job.id)
             if current is None or current.state not in (JobState.QUEUED, JobState.INTERRUPTED,
@@ -246,8 +255,9 @@ class Runner:
         return str(cand) if cand and cand.exists() else None
 
     def _validate_rendered(self, path: Path, spec) -> list:
-        from .llamafactory.validate import validate_config
         import yaml
+
+        from .llamafactory.validate import validate_config
 
         cfg = yaml.safe_load(path.read_text())
         return validate_config(cfg, workdir=spec.workdir)
@@ -593,8 +603,6 @@ class Runner:
 
     # --- crash recovery -------------------------------------------------------------------------------
     def recover(self, job: JobRow, adopt: bool) -> Active | None:
-        from .daemon import find_shim_by_launch_file
-
         attempt = self.store.last_attempt(job.id)
         if attempt is None:
             self.store.transition(job.id, JobState.INTERRUPTED, "daemon restarted before the attempt started")
@@ -606,7 +614,7 @@ class Runner:
             if handle.shim() is None:
                 handle = None
         if handle is None and attempt.ended_at is None:
-            p = find_shim_by_launch_file(paths.launch)
+            p = proctree.find_shim_by_launch_file(paths.launch)
             if p is not None:
                 handle = proctree.Handle(p.pid, p.create_time())
         spec = self.spec_of(job.id)
@@ -696,7 +704,7 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _remedy_text(overrides: Overrides, changes) -> str | None:
+def _remedy_text(overrides: Overrides) -> str | None:
     """'micro_batch x2 (per_device_train_batch_size=4, gradient_accumulation_steps=4)'."""
     if not overrides.rungs:
         return None

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from . import attempts as attempt_mod
 from .config import DaemonConfig
 from .logsetup import log
@@ -223,13 +221,3 @@ def _log_grew(act: attempt_mod.Active) -> bool:
         return os.stat(act.paths.log).st_size > act.offset
     except OSError:
         return False
-
-
-def find_shim_by_launch_file(launch_file: Path) -> psutil.Process | None:
-    """Fallback identity when a crash hit between launch and recording the pid."""
-    target = str(launch_file)
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info.get("cmdline") or []
-        if "supervisor.shim" in cmd and target in cmd:
-            return p
-    return None

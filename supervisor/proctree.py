@@ -173,3 +173,13 @@ def read_exit(paths: AttemptPaths) -> dict | None:
         return json.loads(paths.exit_record.read_text())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def find_shim_by_launch_file(launch_file: Path) -> psutil.Process | None:
+    """Fallback identity when a crash hit between launch and recording the pid."""
+    target = str(launch_file)
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if "supervisor.shim" in cmd and target in cmd:
+            return p
+    return None

@@ -2,7 +2,6 @@
 while the others block in a "collective" (sleep, ignoring SIGTERM). The OOM rank records the
 wall-clock time just before its line is written, for the teardown benchmark."""
 
-import os
 import random
 import signal
 import subprocess

@@ -7,8 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from ..conftest import REPO, DaemonProc, command_job, drop, fakejob, pids_with_marker, write_config
 
 CUDA_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "

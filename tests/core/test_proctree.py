@@ -1,12 +1,10 @@
 """Real processes: the whole tree goes, nothing is left, the exit record is true."""
 
 import os
-import signal
 import sys
 import time
 
 import psutil
-import pytest
 
 from supervisor import proctree
 from supervisor.paths import AttemptPaths

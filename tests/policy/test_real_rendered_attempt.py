@@ -18,8 +18,15 @@ import yaml
 from supervisor.jobspec import parse_job_text
 from supervisor.models import Overrides, Phase
 from supervisor.policy import decide, render_attempt
-from tests.conftest_ml import LLAMAFACTORY_CLI, TRAIN_ENV, kill_tree, log_records, needs_deepspeed, \
-    needs_llamafactory, tiny_job
+from tests.conftest_ml import (
+    LLAMAFACTORY_CLI,
+    TRAIN_ENV,
+    kill_tree,
+    log_records,
+    needs_deepspeed,
+    needs_llamafactory,
+    tiny_job,
+)
 
 from .builders import attempt, job, oom
 
