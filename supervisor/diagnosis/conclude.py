@@ -279,6 +279,27 @@ def _tail_evidence(state: ScanState, n: int = 3) -> tuple[Evidence, ...]:
 
 
 def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
+    """The verdict; a host OOM also says the job's memory limit and the peak seen, when known."""
+    d = _conclude(state, exit, host)
+    if d.category is not Category.HOST_OOM or host is None:
+        return d
+    nums = dict(d.numbers)
+    said = []
+    if host.memory_limit_bytes:
+        nums["memory_limit"] = host.memory_limit_bytes
+        said.append(f"the job's limit is {human(host.memory_limit_bytes)}"
+                    + (f" ({host.limit_mechanism})" if host.limit_mechanism else ""))
+    if host.peak_rss_bytes:
+        nums["peak_host_memory"] = host.peak_rss_bytes
+        said.append(f"peak seen {human(host.peak_rss_bytes)}")
+    if not said:
+        return d
+    import dataclasses
+
+    return dataclasses.replace(d, numbers=nums, summary=f"{d.summary} Memory: {', '.join(said)}.")
+
+
+def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
     stopped_by = exit.stopped_by if exit is not None else None
     signal = _signal_name(exit)
 

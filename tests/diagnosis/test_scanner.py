@@ -256,3 +256,17 @@ def test_resumed_attempt_reports_the_resume_step_not_its_bar_starting_at_zero():
            b"allocate memory: you tried to allocate 22192128 bytes. Error code 12 (Cannot allocate memory)\n")
     assert s.last_step == 8
     assert "last step seen 8" in s.finish().summary
+
+
+def test_host_oom_says_the_limit_and_the_peak():
+    from supervisor.diagnosis import diagnose_bytes
+    from supervisor.models import ExitRecord, HostEvidence
+
+    d = diagnose_bytes(b"RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                       b"allocate memory: you tried to allocate 65028096 bytes. Error code 12\n",
+                       ExitRecord(returncode=1),
+                       HostEvidence(memory_limit_bytes=2_048_000_000, peak_rss_bytes=1_500_000_000,
+                                    limit_mechanism="rlimit-data"))
+    assert d.category == "host_oom"
+    assert d.numbers["memory_limit"] == 2_048_000_000 and d.numbers["peak_host_memory"] == 1_500_000_000
+    assert "limit is 1.91 GiB (rlimit-data)" in d.summary and "peak seen 1.40 GiB" in d.summary
