@@ -326,7 +326,7 @@ class Runner:
     def poll(self, act: Active) -> bool:
         """Advance one attempt; True when its process tree is gone."""
         self._read_log(act)
-        if act.fatal and act.stopped_by is None:
+        if act.fatal and act.stopped_by is None and act.spec.sup.stop_on_fatal_line:
             act.stopped_by = "fatal_signal"
             act.detected_at = self.clock()
             ev = act.fatal[0]

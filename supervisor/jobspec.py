@@ -99,6 +99,10 @@ class SupervisorBlock(BaseModel):
     command: list[str] | None = None
     launcher: list[str] | None = None
     host_memory_limit: int | None = None
+    # Stop the attempt at the first fatal log line (an OOM on any rank, a device fault) instead
+    # of waiting for peers stuck in collectives. Turn off for programs that catch an OOM and
+    # retry inside (accelerate's find_executable_batch_size): the exit status then decides.
+    stop_on_fatal_line: bool = True
 
     @field_validator("hang_timeout", mode="before")
     @classmethod

@@ -275,3 +275,17 @@ def test_shim_killed_from_outside_leaves_no_orphan_training(daemon, tmp_path):
     daemon.wait_state(1, {"failed", "waiting_retry"}, timeout=30)
     assert no_job_processes(tmp_path)
     assert any(e["kind"] == "orphans_stopped" for e in daemon.show(1)["events"])
+
+
+def test_a_program_that_survives_its_own_oom_can_opt_out_of_early_teardown(daemon, tmp_path):
+    """accelerate's find_executable_batch_size catches the OOM, halves the batch and goes on."""
+    daemon.start()
+    script = (f"import time\nprint({CUDA_OOM!r}, flush=True)\nprint('retrying with a smaller batch', "
+              "flush=True)\ntime.sleep(1.5)\nprint('done', flush=True)\n")
+    (tmp_path / "work" / "recovers.py").write_text(script)
+    drop(daemon.spool, "r.yaml", command_job(tmp_path / "work", [sys.executable, "recovers.py"],
+                                             stop_on_fatal_line=False, max_attempts=1))
+    daemon.wait_state(1, {"succeeded", "failed"}, timeout=30)
+    a = daemon.show(1)["attempt_list"][0]
+    assert daemon.job_state(1) == "succeeded" and a["exit"]["stopped_by"] is None
+    assert a["diagnosis"]["category"] == "success"
