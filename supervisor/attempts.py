@@ -58,7 +58,6 @@ class Active:
     spec: jobspec_mod.JobSpec
     gpus: list[int] | None
     output_dir: Path | None
-    started_mono: float
     hang_timeout: float
     offset: int = 0
     last_output_mono: float = field(default_factory=time.monotonic)
@@ -68,7 +67,6 @@ class Active:
     stopped_by: str | None = None
     detected_at: float | None = None
     teardown_s: float | None = None
-    adopted: bool = False
     fatal: list = field(default_factory=list)
     progress_offset: int | None = None  # trainer_log.jsonl size at launch: later lines are this attempt's
     next_sample_mono: float = 0.0
@@ -209,7 +207,7 @@ class Runner:
                     limit_mechanism=mechanism)
         return Active(job_id=job.id, number=number, paths=paths, handle=handle,
                       scanner=LogScanner(initial_step=resumed_step),
-                      spec=spec, gpus=spec.sup.gpus, output_dir=output_dir, started_mono=time.monotonic(),
+                      spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
                       hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
                       last_step=resumed_step, progress_offset=progress_offset)
 
@@ -628,8 +626,8 @@ class Runner:
             handle.cgroup = cg
             act = Active(job_id=job.id, number=attempt.number, paths=paths, handle=handle,
                          scanner=LogScanner(initial_step=attempt.resumed_from_step),
-                         spec=spec, gpus=spec.sup.gpus, output_dir=output_dir, started_mono=time.monotonic(),
-                         hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout, adopted=True,
+                         spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
+                         hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
                          last_step=attempt.resumed_from_step)
             if adopt:
                 self._event(job.id, "attempt_adopted",
@@ -648,8 +646,8 @@ class Runner:
             act = Active(job_id=job.id, number=attempt.number, paths=paths,
                          handle=proctree.Handle(attempt.pid or 0, 0.0, cgroup=cg),
                          scanner=LogScanner(initial_step=attempt.resumed_from_step),
-                         spec=spec, gpus=spec.sup.gpus, output_dir=output_dir, started_mono=time.monotonic(),
-                         hang_timeout=0, adopted=True, last_step=attempt.resumed_from_step)
+                         spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
+                         hang_timeout=0, last_step=attempt.resumed_from_step)
             self._read_log(act)
             self._event(job.id, "attempt_ended_while_down",
                         f"attempt {attempt.number} ended while the daemon was down; judging it from its "

@@ -64,10 +64,6 @@ class StateLock:
             self.fd = None
 
 
-class Shutdown(Exception):
-    pass
-
-
 @dataclass
 class Daemon:
     cfg: DaemonConfig
