@@ -67,6 +67,9 @@ class ExitRecord:
     signal: str | None = None
     duration_s: float | None = None
     stopped_by: str | None = None
+    # The shim's own word when the command could not be started at all (exec failed: missing
+    # program or workdir, NUL in the environment). Structural: it was never the training.
+    launch_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -90,10 +93,16 @@ class HostEvidence:
     peak_rss_bytes: int | None = None
     memory_limit_bytes: int | None = None
     limit_mechanism: str | None = None  # "cgroup-v1", "cgroup-v2", "rlimit-data", "rlimit-as"
+    # The supervisor itself stopped the tree because the sampled sum of its processes' RSS went
+    # over the job's limit (no cgroup could be made): structural host-OOM evidence.
+    limit_enforced_kill: bool = False
+    # statvfs of the folders the job writes (output_dir, the attempt folder): path -> free bytes.
+    free_bytes: Mapping[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["kernel_oom_lines"] = list(self.kernel_oom_lines)
+        d["free_bytes"] = dict(self.free_bytes)
         return d
 
 
@@ -115,6 +124,13 @@ class Diagnosis:
     numbers: Mapping[str, Any] = field(default_factory=dict)
     evidence: tuple[Evidence, ...] = ()
     fragmentation: bool = False
+    # How sure the verdict is: "structural" (an exception that ends a traceback, the exit status,
+    # kernel/cgroup counters, the scheduler, statvfs) or "hint" (free text anywhere else in the
+    # log). Only structural evidence may tear an attempt down, fail a job or pause the queue.
+    strength: str = "structural"
+    # A stable identity of the failure (category + the normalised line that decided it), so the
+    # policy can tell "the same crash again, no progress" from a new one.
+    fingerprint: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +143,8 @@ class Diagnosis:
             "numbers": dict(self.numbers),
             "evidence": [e.to_dict() for e in self.evidence],
             "fragmentation": self.fragmentation,
+            "strength": self.strength,
+            "fingerprint": self.fingerprint,
         }
 
     @classmethod
@@ -141,6 +159,8 @@ class Diagnosis:
             numbers=dict(d.get("numbers") or {}),
             evidence=tuple(Evidence(**e) for e in d.get("evidence") or ()),
             fragmentation=bool(d.get("fragmentation", False)),
+            strength=d.get("strength", "structural"),
+            fingerprint=d.get("fingerprint"),
         )
 
 
