@@ -276,6 +276,35 @@ class JobContext:
     # hidden_size, num_layers, vocab_size from the model's config.json (policy.estimate.read_model_shape),
     # so the policy can predict activation memory per micro-batch and sequence length.
     model_shape: Mapping[str, int] | None = None
+    # The world size LLaMA-Factory really launches (its launcher runs torchrun on every visible
+    # GPU unless NPROC_PER_NODE says otherwise): the job's pinned ranks (supervisor
+    # `nproc_per_node`, or NPROC_PER_NODE in its env), its `gpus:`, and, when neither is given,
+    # how many GPUs its launch sees (0 on a CPU-only box; None when not probed).
+    nproc_per_node: int | None = None
+    gpus: tuple[int, ...] | None = None
+    visible_gpu_count: int | None = None
+    # One host-RAM budget for every remedy: the job's own limit when it has one, else the box's
+    # RAM minus what other processes hold now (bytes) and the policy's reserve.
+    host_memory_limit_bytes: int | None = None
+    host_used_by_others_bytes: int | None = None
+
+    def launched_world_size(self) -> int:
+        """Ranks per node the launch really runs: a remedy must never change it."""
+        if self.nproc_per_node:
+            return self.nproc_per_node
+        if self.gpus:
+            return len(self.gpus)
+        if self.visible_gpu_count:
+            return self.visible_gpu_count
+        return max(1, self.world_size)
+
+    def host_budget_bytes(self, reserve: float = 0.1) -> int | None:
+        """Host RAM this job may use: its limit if set, else RAM x (1 - reserve) - others' use."""
+        if self.host_memory_limit_bytes:
+            return self.host_memory_limit_bytes
+        if not self.host_ram_bytes:
+            return None
+        return max(0, int(self.host_ram_bytes * (1 - reserve)) - (self.host_used_by_others_bytes or 0))
 
 
 @dataclass(frozen=True)
