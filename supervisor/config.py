@@ -8,11 +8,12 @@ so the demo needs no root.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .jobspec import NotifySpec, parse_duration, suggest
 from .paths import SpoolPaths, StatePaths
@@ -24,6 +25,72 @@ ENV_CONFIG = "OOM_SUPERVISOR_CONFIG"
 
 def _is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+EVENT_KINDS = ("succeeded", "failed", "escalated", "paused", "cancelled", "retry", "interrupted",
+               "vram_not_released")
+
+
+def _address(v: str) -> str:
+    """'host:port' or '[v6]:port'; port 0 asks the kernel for a free one (tests)."""
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{v!r} is not host:port (e.g. 127.0.0.1:9839, [::1]:9839)")
+    return v
+
+
+class MetricsSpec(BaseModel):
+    """Prometheus metrics: an HTTP endpoint and/or a node-exporter textfile (both optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+    address: str | None = "127.0.0.1:9839"   # null: no HTTP endpoint
+    textfile: Path | None = None             # e.g. /var/lib/node-exporter/oom_supervisor.prom
+    interval: float = 15.0                   # seconds between textfile rewrites
+
+    @field_validator("address")
+    @classmethod
+    def _addr(cls, v: str | None) -> str | None:
+        return None if v is None else _address(v)
+
+    @field_validator("interval", mode="before")
+    @classmethod
+    def _dur(cls, v: Any) -> Any:
+        return parse_duration(v)
+
+
+class WebhookSpec(BaseModel):
+    """POST each event as JSON (plus a `text` chat apps show). The URL holds the secret, so it
+    comes from a file or an environment variable, never from this (often world-readable) file."""
+
+    model_config = ConfigDict(extra="forbid")
+    url_file: Path | None = None
+    url_env: str | None = None
+    on: list[str] = Field(default_factory=lambda: ["succeeded", "failed", "escalated", "paused"])
+    timeout: float = 10.0
+    retries: int = Field(default=4, ge=0, le=20)
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _dur(cls, v: Any) -> Any:
+        v = parse_duration(v)
+        if v <= 0:
+            raise ValueError("must be more than 0 seconds")
+        return v
+
+    @field_validator("on")
+    @classmethod
+    def _events(cls, v: list[str]) -> list[str]:
+        bad = [e for e in v if e != "*" and e not in EVENT_KINDS]
+        if bad:
+            raise ValueError(f"unknown event {bad[0]!r}; known: {', '.join(EVENT_KINDS)} (or '*')")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WebhookSpec:
+        if (self.url_file is None) == (self.url_env is None):
+            raise ValueError("give exactly one of url_file (a file holding the URL, mode 0600) "
+                             "or url_env (an environment variable holding it)")
+        return self
 
 
 def default_dirs() -> tuple[Path, Path, Path]:
@@ -55,6 +122,8 @@ class DaemonConfig(BaseModel):
     hang_timeout: float = Field(default=1800.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
     notify: list[NotifySpec] = Field(default_factory=list)
+    webhooks: list[WebhookSpec] = Field(default_factory=list)
+    metrics: MetricsSpec | None = None       # `metrics: {}` serves 127.0.0.1:9839
     on_restart: str = "adopt"
     cgroups: str = "auto"
 
@@ -93,8 +162,23 @@ class DaemonConfig(BaseModel):
         return [*self.policy_dirs, Path("/etc/oom-supervisor/policies"), shipped]
 
 
+_SECTIONS = {"webhooks": WebhookSpec, "metrics": MetricsSpec, "notify": NotifySpec}
+
+
 class ConfigError(ValueError):
     pass
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true/false. YAML 1.1 also reads on/off/yes/no as booleans, which
+    turned every `on:` key (notify, webhooks) into True."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
 
 
 def load_config(path: Path | None = None, *, state_dir: Path | None = None,
@@ -106,7 +190,7 @@ def load_config(path: Path | None = None, *, state_dir: Path | None = None,
     data: dict[str, Any] = {}
     if conf_path.exists():
         try:
-            data = yaml.safe_load(conf_path.read_text()) or {}
+            data = yaml.load(conf_path.read_text(), Loader=_Loader) or {}  # noqa: S506 (safe subclass)
         except yaml.YAMLError as exc:
             raise ConfigError(f"{conf_path}: YAML does not parse: {exc}") from None
         if not isinstance(data, dict):
@@ -120,11 +204,18 @@ def load_config(path: Path | None = None, *, state_dir: Path | None = None,
         for e in err.errors():
             key = ".".join(str(x) for x in e["loc"])
             if e["type"] == "extra_forbidden":
-                hint = suggest(str(e["loc"][-1]), tuple(DaemonConfig.model_fields))
+                model = _SECTIONS.get(str(e["loc"][0]), DaemonConfig) if len(e["loc"]) > 1 else DaemonConfig
+                hint = suggest(str(e["loc"][-1]), tuple(model.model_fields))
                 msgs.append(f"{key}: unknown key" + (f" (did you mean {hint!r}?)" if hint else ""))
             else:
                 msgs.append(f"{key}: {e['msg']}")
         raise ConfigError(f"{conf_path}: " + "; ".join(msgs)) from None
+    base = conf_path.parent  # relative secret/textfile paths: next to the config file
+    for hook in cfg.webhooks:
+        if hook.url_file is not None:
+            hook.url_file = (base / hook.url_file.expanduser()).resolve()
+    if cfg.metrics is not None and cfg.metrics.textfile is not None:
+        cfg.metrics.textfile = (base / cfg.metrics.textfile.expanduser()).resolve()
     # Absolute: attempts run with cwd=workdir, so paths into the state folder must not be relative.
     cfg.state_dir = Path(state_dir or env.get(ENV_STATE) or cfg.state_dir or d_state).expanduser().resolve()
     cfg.spool_dir = Path(spool_dir or env.get(ENV_SPOOL) or cfg.spool_dir or d_spool).expanduser().resolve()
