@@ -1,4 +1,7 @@
-"""Atomic file writes: a watcher or a crash never sees half a file."""
+"""Atomic file writes: a watcher or a crash never sees half a file.
+
+Files are private (0600) unless the caller says otherwise: most of what the
+supervisor writes (job files, launch specs, rendered env) may hold tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o600) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -28,11 +31,11 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
+def atomic_write_text(path: Path, text: str, *, mode: int = 0o600) -> None:
     atomic_write_bytes(path, text.encode(), mode=mode)
 
 
-def atomic_write_json(path: Path, obj: Any, *, mode: int = 0o644) -> None:
+def atomic_write_json(path: Path, obj: Any, *, mode: int = 0o600) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n", mode=mode)
 
 

@@ -9,11 +9,12 @@ no LLaMA-Factory keys.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -21,6 +22,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .models import Problem
 
 MAX_JOB_FILE_BYTES = 1024 * 1024
+# Parse limits: a 6 KB file nested 3000 deep overflows the recursive composer, and an
+# 837-byte alias bomb expands to billions of nodes in anything that walks the result.
+MAX_DEPTH = 64
+MAX_ALIASES = 100
+MAX_NODES = 100_000  # counted with every alias expanded
+MAX_PRIORITY = 1000
+MAX_HANG_TIMEOUT_S = 30 * 86400.0
+MAX_HOST_MEMORY_BYTES = 1 << 50  # 1 PiB
+MAX_GPUS = 1024
+POLICY_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$", re.IGNORECASE)
 
@@ -51,7 +62,10 @@ def parse_size(value: int | str) -> int:
         if not m:
             raise ValueError(f"not a size: {value!r} (use e.g. 2GiB, 1500MiB or a byte count)")
         unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
-        size = int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
+        number = float(m.group(1))
+        if not math.isfinite(number):
+            raise ValueError(f"not a size: {value[:40]!r}... (too large)")
+        size = int(number * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
     if size <= 0:
         raise ValueError(f"must be more than 0 bytes, got {value!r}")
     return size
@@ -68,6 +82,8 @@ def parse_duration(value: float | int | str) -> float:
         if not m:
             raise ValueError(f"not a duration: {value!r} (use e.g. 90, 30m or 2h)")
         seconds = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[(m.group(2) or "s").lower()]
+    if not math.isfinite(seconds):
+        raise ValueError(f"not a finite duration: {str(value)[:40]!r}")
     if seconds < 0:
         raise ValueError(f"must not be negative, got {value!r}")
     return seconds
@@ -86,19 +102,21 @@ class SupervisorBlock(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = None
+    name: str | None = Field(default=None, min_length=1, max_length=200)
     policy: str | None = None
-    workdir: str | None = None
-    gpus: list[int] | None = None
-    nproc_per_node: int | None = Field(default=None, ge=1)
-    priority: int = 0
+    workdir: str | None = Field(default=None, max_length=4096)
+    # Omit the key for "any GPU"; a list names the GPUs the job owns (disjoint from other jobs').
+    gpus: list[Annotated[int, Field(ge=0, lt=MAX_GPUS)]] | None = Field(default=None, min_length=1,
+                                                                        max_length=MAX_GPUS)
+    nproc_per_node: int | None = Field(default=None, ge=1, le=MAX_GPUS)
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # SQLite INTEGER is 64-bit
     max_attempts: int | None = Field(default=None, ge=1, le=100)
-    hang_timeout: float | None = Field(default=None, gt=0)
+    hang_timeout: float | None = Field(default=None, gt=0, le=MAX_HANG_TIMEOUT_S)
     env: dict[str, str] = Field(default_factory=dict)
     notify: list[NotifySpec] = Field(default_factory=list)
     command: list[str] | None = None
     launcher: list[str] | None = None
-    host_memory_limit: int | None = None
+    host_memory_limit: int | None = Field(default=None, gt=0, le=MAX_HOST_MEMORY_BYTES)
     # Stop the attempt at the first fatal log line (an OOM on any rank, a device fault) instead
     # of waiting for peers stuck in collectives. Turn off for programs that catch an OOM and
     # retry inside (accelerate's find_executable_batch_size): the exit status then decides.
@@ -114,20 +132,59 @@ class SupervisorBlock(BaseModel):
     def _size(cls, v: Any) -> Any:
         return None if v is None else parse_size(v)
 
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus_given(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("is an empty list, which is not 'no GPUs': omit the key to let the job "
+                             "see every GPU, or name the GPUs it owns, e.g. [0, 1]")
+        return v
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(set(v)) != len(v):
+            dup = sorted({g for g in v if v.count(g) > 1})
+            raise ValueError(f"names GPU(s) {dup} more than once")
+        return v
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str | None) -> str | None:
+        if v is not None:
+            problem = policy_name_problem(v)
+            if problem:
+                raise ValueError(problem)
+        return v
+
     @field_validator("command", "launcher")
     @classmethod
     def _argv(cls, v: list[str] | None) -> list[str] | None:
         if v is not None and (not v or not all(isinstance(a, str) and a for a in v)):
             raise ValueError("must be a non-empty list of non-empty strings (argv, no shell)")
+        if v is not None and any("\0" in a for a in v):
+            raise ValueError("an argument contains a NUL byte, which no program can receive")
         return v
 
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k in v:
+        for k, val in v.items():
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-                raise ValueError(f"{k!r} is not a valid environment variable name")
+                raise ValueError(f"{k[:80]!r} is not a valid environment variable name")
+            if "\0" in val:
+                raise ValueError(f"the value of {k} contains a NUL byte, which no environment can hold")
         return v
+
+
+def policy_name_problem(name: str) -> str | None:
+    """Why `name` is not a policy name, or None. A job names a policy; it never gives a path
+    (the daemon would read any file it can, and a parse error could echo its content)."""
+    if not isinstance(name, str) or not POLICY_NAME_RE.fullmatch(name) or ".." in name:
+        shown = name[:40] if isinstance(name, str) else type(name).__name__
+        return (f"{shown!r} is not a policy name: use letters, digits, '_', '.' or '-' (at most 64, "
+                "no '/' and no '..'); a job names a policy, never a path")
+    return None
 
 
 SUPERVISOR_KEYS = tuple(SupervisorBlock.model_fields)
@@ -162,8 +219,67 @@ def suggest(key: str, valid: list[str] | tuple[str, ...]) -> str | None:
     return hits[0] if hits else None
 
 
+class YamlLimitError(yaml.YAMLError):
+    """The file is beyond what a job file needs (depth, aliases, expanded size)."""
+
+    def __init__(self, problem: str, mark: yaml.Mark | None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.problem_mark = mark
+
+
 class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that remembers the line of every mapping key."""
+    """SafeLoader that remembers the line of every mapping key and refuses, while
+    composing (before anything is built or walked), files deeper than MAX_DEPTH,
+    with more than MAX_ALIASES aliases, or more than MAX_NODES nodes once every
+    alias is expanded - so the constructor, the line map and validation after it
+    all work on a bounded tree."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.key_lines: dict[int, dict[Any, int]] = {}
+        self._depth = 0
+        self._nodes = 0
+        self._aliases = 0
+        self._anchor_size: dict[int, int] = {}  # id(anchored node) -> expanded size
+        self._open_anchors: set[str] = set()
+
+    def _count(self, n: int, mark: yaml.Mark | None) -> None:
+        self._nodes += n
+        if self._nodes > MAX_NODES:
+            raise YamlLimitError(f"more than {MAX_NODES} YAML nodes once aliases are expanded "
+                                 "(an alias bomb?); job files are small", mark)
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise YamlLimitError(f"more than {MAX_ALIASES} YAML aliases (*name); job files need few",
+                                     event.start_mark)
+            if event.anchor in self._open_anchors:
+                raise YamlLimitError(f"alias *{event.anchor} refers to a node that contains it "
+                                     "(a recursive structure)", event.start_mark)
+            target = self.anchors.get(event.anchor)
+            self._count(self._anchor_size.get(id(target), 1), event.start_mark)
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise YamlLimitError(f"nested more than {MAX_DEPTH} levels deep", event.start_mark)
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self._open_anchors.add(anchor)
+        before = self._nodes
+        self._count(1, event.start_mark)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+            if anchor is not None:
+                self._open_anchors.discard(anchor)
+        if anchor is not None:
+            self._anchor_size[id(node)] = self._nodes - before
+        return node
 
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -182,33 +298,42 @@ _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _con
 
 
 def load_yaml_with_lines(text: str) -> tuple[Any, dict[str, int]]:
-    """Parse YAML; return the data and a map from dotted key path to line."""
+    """Parse YAML within the limits above; return the data and a map from dotted key path
+    to line. Raises yaml.YAMLError (YamlLimitError for the limits) or ValueError."""
     loader = _LineLoader(text)
-    loader.key_lines = {}
     try:
         data = loader.get_single_data()
     finally:
         loader.dispose()
     paths: dict[str, int] = {}
+    budget = [MAX_NODES]
 
-    def walk(obj: Any, prefix: str) -> None:
-        if isinstance(obj, dict):
+    def walk(obj: Any, prefix: str, depth: int) -> None:
+        if isinstance(obj, dict) and depth <= MAX_DEPTH:
             lines = loader.key_lines.get(id(obj), {})
             for k, v in obj.items():
+                budget[0] -= 1
+                if budget[0] < 0:
+                    return
                 path = f"{prefix}.{k}" if prefix else str(k)
                 if k in lines:
                     paths[path] = lines[k]
-                walk(v, path)
+                walk(v, path, depth + 1)
 
-    walk(data, "")
+    walk(data, "", 0)
     return data, paths
+
+
+def _mark_line(exc: Exception) -> int | None:
+    mark = getattr(exc, "problem_mark", None)
+    return mark.line + 1 if mark else None
 
 
 def _pydantic_problems(err: ValidationError, lines: dict[str, int]) -> list[Problem]:
     out = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
-        key = f"supervisor.{loc}" if loc else "supervisor"
+        key = (f"supervisor.{loc}" if loc else "supervisor")[:200]
         if e["type"] == "extra_forbidden":
             last = str(e["loc"][-1])
             valid = SUPERVISOR_KEYS if len(e["loc"]) == 1 else tuple(NotifySpec.model_fields)
@@ -236,17 +361,21 @@ def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = Non
     """
     try:
         data, lines = load_yaml_with_lines(text)
+    except YamlLimitError as exc:
+        raise JobFileError([Problem("(file)", f"refused: {exc.problem}", None, _mark_line(exc))], source) from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark else None
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise JobFileError([Problem("(file)", f"YAML does not parse: {problem}", None, line)], source) from None
+        raise JobFileError([Problem("(file)", f"YAML does not parse: {problem}", None, _mark_line(exc))],
+                           source) from None
+    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as exc:
+        # e.g. an integer of more than 4300 digits, a date like 2024-13-45
+        raise JobFileError([Problem("(file)", f"YAML value cannot be read: {str(exc)[:200]}")], source) from None
     if not isinstance(data, dict):
         kind = "empty" if data is None else type(data).__name__
         raise JobFileError([Problem("(file)", f"a job file must be a YAML mapping, this one is {kind}")], source)
     bad_keys = [k for k in data if not isinstance(k, str)]
     if bad_keys:
-        raise JobFileError([Problem(str(k), "keys must be strings") for k in bad_keys], source)
+        raise JobFileError([Problem(str(k)[:80], "keys must be strings") for k in bad_keys[:20]], source)
 
     problems: list[Problem] = []
     raw_sup = data.get("supervisor") or {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,11 @@ class SpoolPaths:
     @property
     def rejected(self) -> Path:
         return self.root / "rejected"
+
+    def claimed(self, tag: str) -> Path:
+        """Where one daemon moves a file before reading it: a rename is atomic, so of two
+        daemons sharing the spool exactly one gets each file."""
+        return self.root / "claimed" / tag
 
     def ensure(self) -> None:
         for d in (self.incoming, self.rejected):
@@ -38,6 +45,11 @@ class StatePaths:
     @property
     def jobs(self) -> Path:
         return self.root / "jobs"
+
+    @property
+    def tag(self) -> str:
+        """A short stable name for this state folder (its spool claims live under it)."""
+        return hashlib.sha256(os.path.abspath(self.root).encode(errors="surrogateescape")).hexdigest()[:12]
 
     def job(self, job_id: int) -> JobPaths:
         return JobPaths(self.jobs / str(job_id))

@@ -158,7 +158,11 @@ def parse_policy_text(text: str, *, source: str = "policy") -> Policy:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise PolicyError([Problem("(file)", f"YAML does not parse: {exc}")], source) from None
+        # Only the problem and its line: str(exc) quotes the file, which must never reach a reason.
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise PolicyError([Problem("(file)", f"YAML does not parse: {problem}", None,
+                                   mark.line + 1 if mark else None)], source) from None
     if not isinstance(data, dict):
         raise PolicyError([Problem("(file)", "a policy must be a YAML mapping")], source)
     try:
@@ -180,8 +184,47 @@ def parse_policy_text(text: str, *, source: str = "policy") -> Policy:
         raise PolicyError(problems, source) from None
 
 
+def find_policy(name: str, *, search_dirs: Sequence[Path]) -> Path | None:
+    """The file of the policy called `name` (first dir wins), or None. Names only: a job's
+    `policy:` is untrusted, so a path or `..` is never looked up."""
+    from ..jobspec import policy_name_problem
+
+    if policy_name_problem(name):
+        return None
+    for d in search_dirs:
+        path = Path(d) / f"{name}.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def unknown_policy_problem(name: str, *, search_dirs: Sequence[Path], key: str = "supervisor.policy") -> Problem | None:
+    """None when `name` is a known policy; else the problem to show at submit/intake."""
+    from ..jobspec import policy_name_problem
+
+    bad = policy_name_problem(name)
+    if bad:
+        return Problem(key, bad)
+    if find_policy(name, search_dirs=search_dirs) is not None:
+        return None
+    known = sorted({p.stem for d in search_dirs if Path(d).is_dir() for p in Path(d).glob("*.yaml")})
+    hits = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    return Problem(key, f"no policy {name!r}; known: {', '.join(known) or 'none'}", hits[0] if hits else None)
+
+
+def load_policy_by_name(name: str, *, search_dirs: Sequence[Path]) -> Policy:
+    """A policy a job named: never a path (see find_policy)."""
+    path = find_policy(name, search_dirs=search_dirs)
+    if path is None:
+        problem = unknown_policy_problem(name, search_dirs=search_dirs, key="policy")
+        raise PolicyError([problem or Problem("policy", f"no policy {name!r}")], name[:64])
+    return parse_policy_text(path.read_text(), source=str(path))
+
+
 def load_policy(name_or_path: str, *, search_dirs: Sequence[Path]) -> Policy:
-    """A policy by name (`default` -> <dir>/default.yaml, first dir wins) or by path."""
+    """A policy by name (`default` -> <dir>/default.yaml, first dir wins) or by path.
+    Paths are for trusted callers only (the admin's config, `plan --policy FILE`); a name
+    that came from a job goes through load_policy_by_name."""
     candidate = Path(name_or_path).expanduser()
     if candidate.suffix in (".yaml", ".yml") or "/" in name_or_path:
         paths = [candidate]

@@ -103,11 +103,12 @@ def test_crash_between_commit_and_unlink_does_not_duplicate(env, tmp_path, monke
     # The daemon dies right after the commit: the unlink never happens.
     monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: None)
     assert run(env).accepted == [1]
-    assert (spool.incoming / "c.yaml").exists()
+    claimed = spool.claimed(state.tag)
+    assert [p.name.partition(".")[2] for p in claimed.iterdir()] == ["c.yaml"]  # the leftover
     monkeypatch.undo()
     res = run(env)  # the restarted daemon
     assert res.accepted == [] and len(store.jobs()) == 1
-    assert not (spool.incoming / "c.yaml").exists()
+    assert list(claimed.iterdir()) == [] and not (spool.incoming / "c.yaml").exists()
 
 
 def test_same_content_dropped_again_is_a_new_job(env, tmp_path):
