@@ -190,3 +190,62 @@ def _pydantic_check(zero: Mapping[str, Any], where: str) -> list[Problem]:
     except (AssertionError, ValueError) as err:
         return [Problem(where, str(err))]
     return []
+
+
+# What transformers' HfTrainerDeepSpeedConfig.trainer_config_process fill_match()es against the
+# training arguments: a non-"auto" value that disagrees ends the run at start-up (ValueError
+# "Please correct the following DeepSpeed config values that mismatch TrainingArguments values").
+# (DeepSpeed key, LLaMA-Factory key, its default when the YAML does not set it.)
+_MATCHED = (
+    ("train_micro_batch_size_per_gpu", "per_device_train_batch_size", 8),
+    ("gradient_accumulation_steps", "gradient_accumulation_steps", 1),
+    ("gradient_clipping", "max_grad_norm", 1.0),
+)
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def _num(value: Any) -> Any:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def check_launch_pair(config: Mapping[str, Any], ds: Mapping[str, Any] | None, *,
+                      world_size: int) -> list[Problem]:
+    """The rendered YAML and DeepSpeed JSON as transformers will match them, before launch.
+
+    Pure: the edge calls it with the effective YAML, the JSON it points at and the world size
+    really launched; every problem is one transformers would refuse the run for.
+    """
+    if not isinstance(ds, Mapping):
+        return []
+    out: list[Problem] = []
+    for ds_key, lf_key, default in _MATCHED:
+        have = ds.get(ds_key)
+        want = config.get(lf_key, default)
+        if have is None or have == "auto" or _num(have) == _num(want):
+            continue
+        out.append(Problem(f"deepspeed.{ds_key}", f"is {have!r} but the YAML's {lf_key}={want!r}: transformers "
+                                                  "refuses the mismatch at start-up; set it to \"auto\""))
+    have = ds.get("train_batch_size")
+    micro = config.get("per_device_train_batch_size", 8)
+    accum = config.get("gradient_accumulation_steps", 1)
+    want = int(world_size) * int(micro) * int(accum)
+    if have not in (None, "auto") and _num(have) != want:
+        out.append(Problem("deepspeed.train_batch_size",
+                           f"is {have!r} but world size {world_size} x per_device_train_batch_size {micro} x "
+                           f"gradient_accumulation_steps {accum} = {want}: transformers refuses the mismatch; "
+                           "set it to \"auto\""))
+    return out
+
+
+def with_batch_fields(ds: Mapping[str, Any], *, micro: int, accum: int, world_size: int) -> dict[str, Any] | None:
+    """`ds` with its explicit (non-"auto") batch fields rewritten to agree with a new split,
+    or None when it has none (the user's file then stays as it is)."""
+    values = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+              "train_batch_size": micro * accum * world_size}
+    explicit = [k for k in BATCH_KEYS if ds.get(k) not in (None, "auto")]
+    if not explicit:
+        return None
+    return {**ds, **{k: values[k] for k in explicit}}

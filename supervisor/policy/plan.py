@@ -81,11 +81,11 @@ def _numbers(ctx: JobContext, ov: Overrides, shape: ModelShape | None) -> dict[s
     if not shape:
         return {}
     v = view_of(ctx, ov)
-    gpu, host = model_states(shape.params, shape.largest_layer_params, max(1, ctx.world_size), v.setup)
+    gpu, host = model_states(shape.params, shape.largest_layer_params, ctx.launched_world_size(), v.setup)
     act = activation_bytes(micro_batch=v.micro, seq_len=v.cutoff, hidden=shape.hidden_size,
                            layers=shape.num_layers, checkpointing=v.gc_on, vocab=shape.vocab_size,
                            offload_checkpoints=v.unsloth_gc)
-    world = max(1, ctx.world_size)
+    world = ctx.launched_world_size()
     weights = (4 * shape.largest_layer_params if v.setup.offload_param
                else 2 * shape.params // (world if v.setup.zero_stage == 3 else 1))
     return {"weights_gpu_gib": round(weights / GiB, 2), "model_states_gpu_gib": round(gpu / GiB, 2), "model_states_host_gib": round(host / GiB, 2),

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..deepspeed_config import zero3_offload_config
+from ..deepspeed_config import with_batch_fields, zero3_offload_config
 from ..models import Diagnosis, JobContext, Overrides
 from .allocator import ALLOC_VARS, format_alloc_conf, parse_alloc_conf
 from .estimate import Setup, model_states
@@ -36,6 +36,8 @@ class Memory:
     model_states: int | None = None
     activations: int | None = None
     reserved_unallocated: int | None = None
+    # What PyTorch's allocator held when it failed (allocated + reserved-but-unallocated).
+    pytorch_held: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,33 @@ def setup_of(job: JobContext, cfg: Mapping[str, Any], ds: Mapping[str, Any] | No
     return Setup(zero_stage=int(stage) if str(stage).isdigit() else 0,
                  offload_optimizer=on("offload_optimizer"), offload_param=on("offload_param"),
                  trainable_fraction=share)
+
+
+def host_budget(job: JobContext, policy: Policy) -> int | None:
+    """The one host-RAM budget every remedy is judged against (bytes; None = unknown)."""
+    return job.host_budget_bytes(policy.host_ram_reserve)
+
+
+def host_budget_source(job: JobContext, policy: Policy) -> str:
+    gib = 1 << 30
+    if job.host_memory_limit_bytes:
+        return f"its host_memory_limit {job.host_memory_limit_bytes / gib:.0f} GiB"
+    others = job.host_used_by_others_bytes or 0
+    return (f"{(job.host_ram_bytes or 0) / gib:.0f} GiB on the box, less {policy.host_ram_reserve:.0%} "
+            f"reserve and {others / gib:.0f} GiB other processes hold")
+
+
+def pinned_nproc(job: JobContext) -> int | None:
+    """NPROC_PER_NODE for a torchrun launch that keeps the ranks the job runs now, or None
+    to leave LLaMA-Factory's own count (every visible GPU) alone. On a CPU-only box its count
+    is 0 and torchrun would get `--nproc_per_node 0`, so 1 there."""
+    if job.nproc_per_node:
+        return job.nproc_per_node
+    if job.gpus:
+        return len(job.gpus)
+    if job.visible_gpu_count is not None:
+        return max(1, job.visible_gpu_count)
+    return job.world_size if job.world_size > 1 else None
 
 
 def view_of(job: JobContext, ov: Overrides) -> View:
@@ -188,6 +217,14 @@ def memory_fraction(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Pol
         return Skipped("memory fraction already capped")
     headroom = int((1 - f) * mem.capacity) if mem.capacity else None
     frees = headroom if diag.subkind in NON_CACHING_SUBKINDS else 0
+    if mem.capacity and mem.pytorch_held is not None and mem.pytorch_held > f * mem.capacity:
+        # The fit check every remedy passes: a cap below what PyTorch needs moves the OOM into
+        # PyTorch. Its reserved-but-unallocated share counts: it could not serve requests either.
+        gib = 1 << 30
+        return Skipped(f"a cap at {f:.0%} ({f * mem.capacity / gib:.1f} GiB) is below the "
+                       f"~{mem.pytorch_held / gib:.1f} GiB PyTorch held (incl. "
+                       f"{(mem.reserved_unallocated or 0) / gib:.1f} GiB reserved but unallocated): "
+                       "PyTorch itself would run out")
     if job.uses_vllm:
         if "vllm_gpu_util" in ov.yaml:
             return Skipped("vllm_gpu_util already set")
@@ -246,14 +283,23 @@ def micro_batch(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy,
         if fitting:
             new = fitting[0]
     accum = per_device // new
-    world = max(1, job.world_size)
+    world = job.launched_world_size()
     note = "" if new * 2 == v.micro else f" (the nearest exact split of {per_device})"
     what = (f"per_device_train_batch_size {v.micro} -> {new}, gradient_accumulation_steps {v.accum} -> "
             f"{accum}{note}: effective batch {v.micro}x{v.accum}x{world} = {new}x{accum}x{world} unchanged; "
             f"smaller kernels, some throughput lost")
     frees = int(mem.activations * (1 - new / v.micro)) if mem.activations is not None else None
+    # An explicit batch field in the job's DeepSpeed JSON that kept the old split would make
+    # transformers refuse the run (fill_match): the attempt gets a copy that agrees.
+    ds = deepspeed_of(job, ov)
+    synced = with_batch_fields(ds, micro=new, accum=accum, world_size=world) if ds else None
+    if synced is not None:
+        what += ("; the DeepSpeed config's explicit batch fields rewritten to match "
+                 f"(train_micro_batch_size_per_gpu {new}, gradient_accumulation_steps {accum}, "
+                 f"train_batch_size {new * accum * world}) in the attempt's ds_config.json")
     return Applied(with_changes(ov, "micro_batch", what, yaml={
-        "per_device_train_batch_size": new, "gradient_accumulation_steps": accum}), what, frees,
+        "per_device_train_batch_size": new, "gradient_accumulation_steps": accum},
+        deepspeed=synced if synced is not None else ...), what, frees,
         {"micro": new, "accum": accum})
 
 
@@ -320,20 +366,24 @@ def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offlo
     host_need = None
     if job.param_count:
         lil = job.largest_layer_params or job.param_count // 40
-        world = max(1, job.world_size)
+        world = job.launched_world_size()
         gpu_now, _ = model_states(job.param_count, lil, world, cur)
         gpu_new, host_need = model_states(job.param_count, lil, world, new_setup)
         frees = max(0, gpu_now - gpu_new)
-    if host_need and job.host_ram_bytes and host_need / 1.5 > job.host_ram_bytes:
-        return Skipped(f"needs ~{host_need / 1.5 / (1 << 30):.0f} GiB host RAM even without DeepSpeed's "
-                       f"1.5x buffer; this box has {job.host_ram_bytes / (1 << 30):.0f} GiB")
+    budget = host_budget(job, policy)
+    if host_need and budget is not None and host_need > budget:
+        return Skipped(f"needs ~{host_need / (1 << 30):.0f} GiB host RAM; the job may use "
+                       f"~{budget / (1 << 30):.0f} GiB ({host_budget_source(job, policy)})")
     what = ("DeepSpeed ZeRO-3, optimizer state " + ("and parameters " if offload_param else "")
             + "offloaded to pinned CPU memory (generated ds_config.json, overlap_comm on); "
             + ("much slower steps (every layer's weights cross PCIe each step)" if offload_param
                else "slower steps (~15%: the optimizer step runs on the CPU)"))
     if host_need:
         what += f"; needs ~{host_need / (1 << 30):.0f} GiB host RAM"
-    env = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(max(1, job.world_size))}
+    env = {"FORCE_TORCHRUN": "1"}
+    nproc = pinned_nproc(job)
+    if nproc is not None:
+        env["NPROC_PER_NODE"] = str(nproc)
     return Applied(with_changes(ov, name, what, env=env, deepspeed=ds), what, frees,
                    {"host_need": host_need})
 

@@ -43,6 +43,8 @@ class Budgets(_Strict):
     no_progress_attempts: int = Field(5, ge=1)  # consecutive attempts with no new checkpoint
     device_fault_retries: int = Field(1, ge=0)
     numeric_retries: int = Field(0, ge=0)
+    environment_retries: int = Field(5, ge=0)  # hub / DNS / network failures outside the job
+    foreign_memory_retries: int = Field(4, ge=0)  # GPU memory held by other processes: wait for it
 
 
 class Backoff(_Strict):
@@ -118,6 +120,9 @@ class Policy(_Strict):
     # ... or continue from its weights alone with a fresh optimizer (a semantic change,
     # recorded loudly). Off by default: never silently.
     allow_weights_only: bool = False
+    # Share of the box's RAM never counted as available to a job (page cache, the daemon, the
+    # system), when the job has no host_memory_limit of its own.
+    host_ram_reserve: float = Field(0.1, ge=0.0, lt=0.9)
     shortfall_margin: float = Field(1.15, ge=1.0)
     # A configuration is predicted to fit when it needs at most (1 - fit_headroom) of the GPU.
     fit_headroom: float = Field(0.05, ge=0.0, lt=0.5)

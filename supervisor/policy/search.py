@@ -61,7 +61,7 @@ def base_need(job: JobContext, ov: Overrides) -> int | None:
         return None
     v = R.view_of(job, ov)
     lil = job.largest_layer_params or job.param_count // 40
-    states, _ = model_states(job.param_count, lil, max(1, job.world_size), v.setup)
+    states, _ = model_states(job.param_count, lil, job.launched_world_size(), v.setup)
     act = activation_bytes(micro_batch=v.micro, seq_len=v.cutoff, hidden=hidden, layers=layers,
                            checkpointing=v.gc_on, vocab=int(shape.get("vocab_size") or 0),
                            offload_checkpoints=v.unsloth_gc)
@@ -75,7 +75,7 @@ def speed(job: JobContext, ov: Overrides) -> float:
     if v.gc_on:
         s *= SPEED["gc"] * (SPEED["unsloth_gc"] if v.unsloth_gc else 1.0)
     if v.setup.offload_optimizer:
-        per_step = tokens * v.accum * max(1, job.world_size)
+        per_step = tokens * v.accum * job.launched_world_size()
         s *= 1 / (1 + ADAM_STEP_TOKENS * v.setup.trainable_fraction / per_step)
     if v.setup.offload_param:
         s *= 1 / (1 + PARAM_TRAFFIC_TOKENS / tokens)
@@ -93,7 +93,7 @@ def _observed_demand(d: Diagnosis | None, capacity: int | None) -> int | None:
     cap = n.get("total_capacity") or capacity
     if cap is None or n.get("free") is None or n.get("tried_to_allocate") is None:
         return None
-    return cap - n["free"] + n["tried_to_allocate"]
+    return cap - n["free"] - (n.get("held_by_others") or 0) + n["tried_to_allocate"]
 
 
 def calibration(job: JobContext, history: Sequence[AttemptRecord]) -> float:
@@ -103,9 +103,24 @@ def calibration(job: JobContext, history: Sequence[AttemptRecord]) -> float:
         seen = _observed_demand(a.diagnosis, job.gpu_capacity_bytes)
         pred = base_need(job, a.overrides)
         if seen and pred:
-            waste = (a.diagnosis.numbers.get("reserved_unallocated") or 0) if a.diagnosis.fragmentation else 0
+            # Reserved-but-unallocated memory is counted on its own (see predicted_need), so it is
+            # taken out here whether or not the diagnosis called it fragmentation.
+            waste = a.diagnosis.numbers.get("reserved_unallocated") or 0
             k = max(k, (seen - waste) / pred)
     return k
+
+
+def predicted_need(job: JobContext, ov: Overrides, diag: Diagnosis, mem: R.Memory,
+                   history: Sequence[AttemptRecord]) -> int | None:
+    """Predicted GPU peak of `ov`: the calibrated estimate plus the memory PyTorch held but could
+    not use (reserved_unallocated) in the failed attempt, which only allocator tuning hands back.
+    It counts even when smaller than the failed request (no fragmentation flag): those bytes
+    were not available to the job either way."""
+    base = base_need(job, ov)
+    if base is None:
+        return None
+    waste = 0 if R.ALLOC_VARS[0] in ov.env else (mem.reserved_unallocated or 0)
+    return int(calibration(job, history) * base) + waste
 
 
 def choose(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy, mem: R.Memory,
@@ -115,13 +130,10 @@ def choose(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy,
     capacity = mem.capacity
     if capacity is None or base_need(job, current) is None:
         return None
-    k = calibration(job, history)
-    waste = (mem.reserved_unallocated or 0) if diag.fragmentation else 0
     limit = capacity * (1 - policy.fit_headroom)
 
     def need(ov: Overrides) -> int:
-        frag = 0 if R.ALLOC_VARS[0] in ov.env else waste
-        return int(k * base_need(job, ov)) + frag  # type: ignore[operator]
+        return predicted_need(job, ov, diag, mem, history)  # type: ignore[return-value]
 
     best: Step | None = None
     frontier = [Step((), (), current, need(current), speed(job, current))]

@@ -111,7 +111,7 @@ def test_memory_fraction_for_vllm_jobs_sets_vllm_gpu_util(default_policy):
 
 
 def test_model_load_oom_goes_straight_to_offload(default_policy):
-    d = first(job(), oom(Phase.MODEL_LOAD), default_policy)
+    d = first(job(visible_gpu_count=0), oom(Phase.MODEL_LOAD), default_policy)  # a CPU box
     assert d.rung == "zero3_offload_param"
     assert d.overrides.env["FORCE_TORCHRUN"] == "1" and d.overrides.env["NPROC_PER_NODE"] == "1"
     zero = d.overrides.deepspeed["zero_optimization"]

@@ -70,7 +70,7 @@ def test_first_attempt_only_forces_resume_safety(spec):
 
 
 def test_offload_attempt_renders_deepspeed_and_resume(default_policy, spec):
-    j = job(dict(spec.config))
+    j = job(dict(spec.config), visible_gpu_count=0)  # a CPU box: torchrun needs 1, not 0
     d = decide(j, [attempt(1, Overrides(), oom(Phase.MODEL_LOAD))], oom(Phase.MODEL_LOAD), default_policy)
     r = render_attempt(spec, d.overrides, attempt_dir=ATTEMPT,
                        resume_yaml={"resume_from_checkpoint": "saves/llama3-8b/full/sft/checkpoint-120"},
