@@ -37,6 +37,9 @@ GPU OOM derived numbers:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +55,11 @@ FRAG_CAPACITY_FRACTION = 0.05
 FRAG_FLOOR = 256 * MIB
 MAX_EVIDENCE = 8
 REPEATED_MIN_SCALE_OVERFLOWS = 3
+NEAR_FULL_BYTES = 1024**3  # a folder with less free space than this is full for a checkpoint write
+# Categories the policy ends a job on or pauses the queue for: never from a hint alone.
+TERMINAL = frozenset({Category.CONFIG_ERROR, Category.DISK_FULL, Category.NUMERIC, Category.DEVICE_FAULT})
+_ABORT_SIGNALS = ("SIGABRT", "SIGSEGV", "SIGBUS")
+REFINE_WINDOW = 64  # lines between a library's OOM message and the exception it raised
 
 _SUPERVISOR_STOPS = ("cancel", "shutdown")
 _OWN_KILLS = ("fatal_signal", "hang")
@@ -228,7 +236,7 @@ def _recovered_note(state: ScanState) -> str:
             f" (first at line {f.line_no}; {'; '.join(f.notes) or 'training continued'}).")
 
 
-def _diagnosis(root: _Root, state: ScanState, extra_summary: str = "") -> Diagnosis:
+def _diagnosis(root: _Root, state: ScanState, extra_summary: str = "", strength: str = "structural") -> Diagnosis:
     vendor = _vendor(root, state)
     nums, frag = dict(root.hit.numbers), False
     if root.hit.category is Category.GPU_OOM:
@@ -258,6 +266,7 @@ def _diagnosis(root: _Root, state: ScanState, extra_summary: str = "") -> Diagno
         numbers=nums,
         evidence=tuple(evidence[:MAX_EVIDENCE]),
         fragmentation=frag,
+        strength=strength,
     )
 
 
@@ -278,9 +287,39 @@ def _tail_evidence(state: ScanState, n: int = 3) -> tuple[Evidence, ...]:
     return tuple(Evidence(line_no=no, text=t.strip()[:500], rule="tail") for no, t in lines[-n:])
 
 
+_NORM_RES = (
+    (re.compile(r"\[(?:rank|default)\d+\]:|\[(?:PG [^\]]*?)?Rank \d+\]"), ""),
+    (re.compile(r"0x[0-9a-fA-F]+"), "0x"),
+    (re.compile(r"(?:[\w.~-]*/)+[\w.-]*"), "<path>"),
+    (re.compile(r"\d+(?:[.,:]\d+)*"), "N"),
+    (re.compile(r"\s+"), " "),
+)
+
+
+def normalise_line(text: str) -> str:
+    """A log line without what changes between attempts: ranks, addresses, paths, numbers."""
+    for rx, sub in _NORM_RES:
+        text = rx.sub(sub, text)
+    return text.strip()[:300]
+
+
+def fingerprint(d: Diagnosis) -> str:
+    """category/subkind + a hash of the normalised deciding line: the same failure again gives the same."""
+    line = next((e.text for e in d.evidence if e.rule != "tail"), "")
+    digest = hashlib.sha1(normalise_line(line).encode()).hexdigest()[:12] if line else "-"
+    return f"{d.category.value}/{d.subkind or '-'}/{digest}"
+
+
 def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
-    """The verdict; a host OOM also says the job's memory limit and the peak seen, when known."""
-    d = _conclude(state, exit, host)
+    """The verdict with its fingerprint; a host OOM also says the job's memory limit and peak seen."""
+    d = _with_memory(_conclude(state, exit, host), host)
+    if state.internal_errors:
+        d = dataclasses.replace(d, numbers={**d.numbers, "scanner_errors": state.internal_errors},
+                                summary=f"{d.summary} ({state.internal_errors} log line(s) could not be read.)")
+    return dataclasses.replace(d, fingerprint=fingerprint(d))
+
+
+def _with_memory(d: Diagnosis, host: HostEvidence | None) -> Diagnosis:
     if d.category is not Category.HOST_OOM or host is None:
         return d
     nums = dict(d.numbers)
@@ -294,8 +333,6 @@ def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | Non
         said.append(f"peak seen {human(host.peak_rss_bytes)}")
     if not said:
         return d
-    import dataclasses
-
     return dataclasses.replace(d, numbers=nums, summary=f"{d.summary} Memory: {', '.join(said)}.")
 
 
@@ -315,25 +352,32 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
                       "Exited with status 0." + (f" Last step {state.last_step}." if state.last_step is not None else "")
                       + _recovered_note(state) + extra, state)
 
+    launch = _launch_failure(state, exit)
+    if launch is not None:
+        return launch
+
     active = [f for f in state.findings if not f.recovered]
+    decisive = _decisive(active, signal, host)
     own_kill = stopped_by in _OWN_KILLS
     exit_killed = not own_kill and signal == "SIGKILL"
     kill_marker = next((f for f in active if f.rule == "sigkill"), None)
-    killed = exit_killed or kill_marker is not None
+    killed = exit_killed or kill_marker is not None or bool(host and host.limit_enforced_kill)
     words, kernel_ev = _memory_corroboration(host)
     cgroup_kills = bool(host and host.cgroup_oom_kills)
 
     candidates: list[_Root] = []
-    first = _pick(active, ROOT)
-    if first is None:
-        later = [f for f in (_pick(active, COMM), _pick(active, CRASH)) if f is not None]
-        first = min(later, key=lambda f: (f.line_no, f.seq)) if later else None
+    first = _refine(_pick_structural(decisive), active)
     if first is not None:
         candidates.append(_root_of(first))
     host_root: _Root | None = None
     if words and (killed or cgroup_kills):
         at = kill_marker.line_no if kill_marker else 0
-        what = ("SIGKILL " + ("(exit status)" if exit_killed else f"(line {kill_marker.line_no})")) if killed else "a process in the job's cgroup was OOM-killed"
+        if host is not None and host.limit_enforced_kill and not exit_killed and kill_marker is None:
+            what = "the supervisor stopped the job at its memory limit"
+        elif killed:
+            what = "SIGKILL " + ("(exit status)" if exit_killed else f"(line {kill_marker.line_no})")  # type: ignore[union-attr]
+        else:
+            what = "a process in the job's cgroup was OOM-killed"
         host_root = _Root(
             hit=Hit("oom_killer", Category.HOST_OOM, ROOT, "oom_killer", vendor="cpu"),
             line_no=at, text=kill_marker.text if kill_marker else "", rank=kill_marker.rank if kill_marker else None,
@@ -347,10 +391,18 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
                                 notes=[f"{state.min_loss_scale_overflows} overflows at loss scale 1"]))
 
     root = _choose(candidates, host_root)
+    if root is not None and root.hit.category is Category.DISK_FULL:
+        root, demoted = _confirm_disk(root, host, state)
+        if demoted is not None:
+            return demoted
 
     if stopped_by == "hang":
         if root is not None and root.hit.tier in (ROOT, COMM):
             return _diagnosis(root, state, " The supervisor stopped it after no progress.")
+        comm = _pick([f for f in active if not f.structural], COMM)
+        if comm is not None:  # a watchdog's own log line says why nothing moved (a retry either way)
+            return _diagnosis(_root_of(comm), state, " The supervisor stopped it after no progress (from a"
+                              " runtime's log line, not an exception: weaker evidence).", strength="hint")
         return _plain(Category.HANG, "no_progress",
                       "No output or progress for the hang timeout; the supervisor stopped the attempt."
                       + (f" Last step seen {state.last_step}." if state.last_step is not None else " No training step was seen."),
@@ -364,7 +416,8 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
                       "The supervisor stopped the attempt on a fatal line, but no decisive failure is in the log now.", state)
 
     if killed:
-        where = f"exit status ({signal})" if exit_killed else f"line {kill_marker.line_no}"
+        where = f"exit status ({signal})" if exit_killed else (
+            f"line {kill_marker.line_no}" if kill_marker else "the supervisor's memory-limit enforcement")
         ev = (kill_marker.evidence(),) if kill_marker else ()
         gathered = "no host memory evidence was gathered" if host is None else \
             "the cgroup OOM counter, kernel log and memory samples show no memory exhaustion"
@@ -379,20 +432,117 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
         )
 
     by_signal = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", "SIGTERM": "sigterm", "SIGINT": "interrupted"}
-    if signal in by_signal:
+    hint = _pick_hint(active)
+    if signal in by_signal and (hint is None or hint.tier != ROOT):
         return _plain(Category.CRASH_OTHER, by_signal[signal],
                       f"Ended by {signal} with no recognised error in the log.", state, _tail_evidence(state))
 
-    hint = _pick(active, HINT)
     if hint is not None:
-        return _diagnosis(_root_of(hint), state,
-                          " (from a message printed without an exception: weaker evidence)")
+        return _hint_diagnosis(hint, state)
 
     rc = exit.returncode if exit is not None else None
     if rc is None:
         return _plain(Category.UNKNOWN, "no_evidence", "No failure evidence in the log.", state, _tail_evidence(state))
     return _plain(Category.UNKNOWN, "no_evidence",
                   f"Exited with status {rc}; the log shows no recognised error.", state, _tail_evidence(state))
+
+
+def _decisive(active: list[Finding], signal: str | None, host: HostEvidence | None) -> list[Finding]:
+    """Structural findings: exceptions ending a traceback, plus a runtime's fault line that the
+    exit status corroborates (a device fault printed just before SIGABRT/SIGSEGV/SIGBUS)."""
+    out = [f for f in active if f.structural and f.tier != HINT]
+    # torchrun's summary of a child that aborted ("exitcode: -6") counts like the exit status.
+    aborted = signal in _ABORT_SIGNALS or any(f.rule in ("abort", "segfault", "bus_error") for f in active)
+    if aborted:
+        out += [f for f in active if not f.structural and f.tier == ROOT
+                and (f.category is Category.DEVICE_FAULT or f.rule == "bad_alloc")]
+    return out
+
+
+def _refine(first: Finding | None, active: list[Finding]) -> Finding | None:
+    """A generic exception (tier 3) that ended a traceback, just after a library's own out-of-memory
+    message on the same rank (MIOpen, rocBLAS, NCCL print theirs, then raise a vague error): the
+    exception is the structural fact, the message the detail. Only OOM kinds (remedies, not
+    verdicts that end the job) are taken from such text."""
+    if first is None or first.tier != CRASH:
+        return first
+    near = [f for f in active if not f.structural and f.tier == ROOT
+            and f.category in (Category.GPU_OOM, Category.HOST_OOM)
+            and f.rank in (first.rank, None) and 0 <= first.line_no - f.line_no <= REFINE_WINDOW]
+    if not near:
+        return first
+    f = max(near, key=lambda f: (f.line_no, f.seq))
+    return dataclasses.replace(f, structural=True, notes=[*f.notes, f"it ended in {first.text[:200]!r} (line {first.line_no})"])
+
+
+def _pick_structural(findings: list[Finding]) -> Finding | None:
+    """The deciding structural finding.
+
+    Per rank, the exception that ends its LAST traceback decides (a chained or later exception
+    is what ended that process); across ranks the earliest wins, since ranks flush their stderr
+    independently. Tier 1 (root causes) before tiers 2-3 (comm failures and crashes are often
+    consequences of a root cause on another rank).
+    """
+    for tiers in ((ROOT,), (COMM, CRASH)):
+        per_rank: dict[int | None, Finding] = {}
+        for f in findings:
+            if f.tier in tiers:
+                cur = per_rank.get(f.rank)
+                if cur is None or (f.line_no, f.seq) > (cur.line_no, cur.seq):
+                    per_rank[f.rank] = f
+        if per_rank:
+            return min(per_rank.values(), key=lambda f: (f.line_no, f.seq))
+    return None
+
+
+def _pick_hint(active: list[Finding]) -> Finding | None:
+    hints = [f for f in active if not f.structural]
+    first = _pick(hints, ROOT)
+    if first is None:
+        later = [f for f in (_pick(hints, COMM), _pick(hints, CRASH)) if f is not None]
+        first = min(later, key=lambda f: (f.line_no, f.seq)) if later else None
+    return first or _pick(hints, HINT)
+
+
+def _hint_diagnosis(hint: Finding, state: ScanState) -> Diagnosis:
+    """A verdict from text alone: strength "hint"; a category the policy would end the job or
+    pause the queue on becomes crash_other (a retry), the text kept as detail."""
+    root = _root_of(hint)
+    note = " (from text printed outside an exception that ended a traceback: weaker evidence"
+    if hint.category in TERMINAL:
+        note += f"; not treated as {hint.category.value}"
+        root.hit = Hit(hint.hit.rule, Category.CRASH_OTHER, hint.hit.tier, hint.hit.subkind, exc=hint.hit.exc,
+                       numbers=dict(hint.hit.numbers), vendor=hint.hit.vendor)
+    return _diagnosis(root, state, note + ")", strength="hint")
+
+
+def _launch_failure(state: ScanState, exit: ExitRecord | None) -> Diagnosis | None:
+    """The command never started (the shim's exec failed): not the training's fault, nor a crash."""
+    if exit is None:
+        return None
+    line = next((f for f in state.findings if f.rule == "launch_failed"), None)
+    if not exit.launch_error and not (exit.returncode == 127 and line is not None):
+        return None
+    what = (exit.launch_error or (line.text if line else "")).strip()
+    what = what.split("oom-supervisor: ", 1)[-1]
+    ev = (line.evidence(),) if line is not None else ()
+    return dataclasses.replace(
+        _plain(Category.CONFIG_ERROR, "launch_failed", f"could not start: {what}", state, ev, phase=Phase.UNKNOWN),
+        numbers={"returncode": exit.returncode} if exit.returncode is not None else {})
+
+
+def _confirm_disk(root: _Root, host: HostEvidence | None, state: ScanState) -> tuple[_Root, Diagnosis | None]:
+    """Disk full needs the file system to agree when statvfs was measured (a quota is not visible there)."""
+    if host is None or not host.free_bytes or root.hit.subkind == "quota":
+        return root, None
+    full = {p: b for p, b in host.free_bytes.items() if b < NEAR_FULL_BYTES}
+    if full:
+        root.notes.append("statvfs: " + ", ".join(f"{p} has {human(b)} free" for p, b in sorted(full.items())))
+        return root, None
+    free = ", ".join(f"{p} has {human(b)} free" for p, b in sorted(host.free_bytes.items()))
+    root.hit = Hit(root.hit.rule, Category.CRASH_OTHER, root.hit.tier, root.hit.subkind, exc=root.hit.exc)
+    root.notes.append(f"the log says the disk is full but statvfs disagrees ({free}); not treated as disk_full")
+    return root, _diagnosis(root, state, strength="hint")
 
 
 def _choose(candidates: list[_Root], host_root: _Root | None) -> _Root | None:

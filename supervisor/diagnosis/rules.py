@@ -34,6 +34,7 @@ ROOT, COMM, CRASH, MARKER, HINT = 1, 2, 3, 4, 5
 # allocator-conf warning or torchrun "[default0]:" line a candidate.
 _EXCEPTION_TRIGGERS = ("Error:", "Exception:", "MemoryError", "AssertionError", "KeyboardInterrupt", "Traceback (most", 'File "')
 _MARKER_TRIGGERS = (
+    "{'loss': ", '{"loss": ', " example:", "input_ids:",
     "Loading checkpoint shards", "loading weights file", "*****", "Saving model checkpoint", "Loading model from",
     "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW",
     "local_rank",
@@ -129,7 +130,7 @@ CONTEXT_MARKERS: tuple[tuple[re.Pattern[str], Phase], ...] = (
         Phase.RESUME,
     ),
 )
-TOTAL_STEPS_RE = re.compile(r"Total optimization steps = ([\d,]+)")
+TOTAL_STEPS_RE = re.compile(r"Total optimization steps = (\d[\d,]*)")
 CHECKPOINT_STEP_RE = re.compile(r"Saving model checkpoint to \S*checkpoint-(\d+)")
 DS_STEP_RE = re.compile(r"\bstep=(\d+), skipped=\d+")
 RETRY_BATCH_RE = re.compile(r"Currently training with a batch size of: (\d+)")
@@ -372,6 +373,9 @@ def gpu_oom_numbers(text: str) -> dict[str, int]:
     procs = [parse_size(p) or 0 for p in _PROCESS_RE.findall(text)]
     if procs and "process_in_use" not in nums:
         nums["process_in_use"] = max(procs)
+    if {"total_capacity", "free", "process_in_use"} <= nums.keys():
+        # What neither this process nor the free pool holds: other processes (or the driver).
+        nums["held_by_others"] = max(0, nums["total_capacity"] - nums["free"] - nums["process_in_use"])
     return nums
 
 
@@ -396,7 +400,7 @@ _RULE_TRIGGERS = (
     ": nan", ": inf", ": -inf", "=nan", "=inf", "= nan", "= inf", "returned nan",
     "NaN", "non-finite", "Loss is", "exitcode", "SIGKILL", "Signal", "killed by signal", "Killed",
     "SIGSEGV", "Segmentation fault", "Aborted", "SIGABRT", "terminate called", "us error", "SIGBUS",
-    "shared memory", "device-side assert", "ChildFailedError",
+    "shared memory", "device-side assert", "ChildFailedError", "cannot start",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 
@@ -534,6 +538,9 @@ def classify(seg: Segment) -> list[Hit]:
         hits.append(Hit("device_assert", Category.CRASH_OTHER, CRASH, "device_assert", exc=seg.exc))
     if _CHILD_FAILED_RE.search(t):
         hits.append(Hit("child_failed", Category.CRASH_OTHER, MARKER, "launcher_summary", exc=seg.exc))
+
+    if "cannot start" in t and t.startswith("oom-supervisor: cannot start"):
+        hits.append(Hit("launch_failed", Category.CONFIG_ERROR, MARKER, "launch_failed"))
 
     if exc_form and not hits:
         if exc == "KeyboardInterrupt":

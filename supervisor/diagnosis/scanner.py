@@ -48,6 +48,22 @@ EVIDENCE_CHARS = 2000
 MAX_FRAMES = 64
 MAX_WATCH = 32
 TAIL_PENDING_BYTES = 8 << 20  # bytes of recent chunks kept by reference for the lazy tail
+TB_GAP = 6  # lines from a traceback's last frame to the exception line ending it (code, carets)
+EXC_MESSAGE_LINES = 8  # lines after a closing exception that still belong to its message
+SAMPLE_MAX_BYTES = 4 << 20  # a printed sample block longer than this is ended by force
+NUMERIC_RUN = 3  # consecutive logged steps with a non-finite or exactly-zero loss that stop the attempt
+# The trainer's logged dicts: {'loss': nan, 'grad_norm': inf, 'learning_rate': 1e-05, 'epoch': 0.1}
+_LOGGED_LOSS_RE = re.compile(r"""^\{['"]loss['"]:\s*(?:np\.float\d+\()?([-+\w.]+)""")
+_LOGGED_GRAD_RE = re.compile(r"""['"]grad_norm['"]:\s*(?:np\.float\d+\()?(?:tensor\()?([-+\w.]+)""")
+
+# LLaMA-Factory prints a tokenised training example at start-up (print_data_example):
+#   "training example:" / "eval example:", then "input_ids:\n[...]", "inputs:\n<decoded text>",
+#   "label_ids:\n[...]", "labels:\n<decoded text>" (chosen_/rejected_ for pairwise data).
+# The decoded text is the user's data: never evidence. The block ends at the next line that
+# LLaMA-Factory's or transformers' logger writes ("[INFO|...", "[WARNING|...").
+_SAMPLE_HEADER_RE = re.compile(
+    rb"(?:\[(?:rank|default)\d+\]: ?)?(?:(?:training|eval) example:|(?:chosen_|rejected_)?input_ids:)[ \t]*\r?\n")
+_SAMPLE_END_RE = re.compile(rb"(?m)^(?:\[(?:rank|default)\d+\]: ?)?\[(?:INFO|WARNING|ERROR|DEBUG|CRITICAL)\|")
 
 _KEYWORDS = list(dict.fromkeys(rules.KEYWORDS))
 # A keyword that contains another one adds nothing to the alternation.
@@ -80,6 +96,9 @@ class Finding:
     seq: int
     step_before: int | None = None
     recovered: bool = False
+    # True when the line is an exception that ends a traceback block (or a line of that
+    # exception's message right after it): decisive. Any other match is a hint.
+    structural: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -111,6 +130,8 @@ class ScanState:
     tail: list[tuple[int, str]]
     context_phase: Phase
     min_loss_scale_overflows: int
+    internal_errors: int = 0
+    samples_skipped: int = 0
 
 
 def _digits_before(buf: bytes, end: int, floor: int = 0) -> int | None:
@@ -118,6 +139,22 @@ def _digits_before(buf: bytes, end: int, floor: int = 0) -> int | None:
     while i > floor and end - i < 12 and 48 <= buf[i - 1] <= 57:
         i -= 1
     return int(buf[i:end]) if i < end else None
+
+
+def _bad_value(v: str, *, zero_is_bad: bool) -> str | None:
+    """"nan"/"inf" for a non-finite logged number, "0.0" for an exact zero loss; None when fine."""
+    v = v.strip().lower().rstrip(")")
+    if v in ("nan", "-nan") or v.endswith("nan"):
+        return "nan"
+    if v.lstrip("+-") in ("inf", "infinity"):
+        return "inf"
+    if zero_is_bad:
+        try:
+            if float(v) == 0.0:
+                return "0.0"
+        except ValueError:
+            return None
+    return None
 
 
 def _last_segment(line: bytes) -> str:
@@ -160,6 +197,13 @@ class LogScanner:
         self._torchrun_rank: int | None = None
         self._min_scale_overflows = 0
         self._flushed = False
+        self._tb_at: dict[int | None, int] = {}  # rank -> line of its open traceback's last frame
+        self._exc_at: dict[int | None, int] = {}  # rank -> line of the exception that closed its traceback
+        self._sample_bytes: int | None = None  # bytes read of the open printed-sample block, if any
+        self.samples_skipped = 0  # printed sample blocks ignored
+        self.internal_errors = 0  # lines the scanner failed on (skipped; never raised to the caller)
+        self._numeric_run: list[tuple[int, str, str]] = []  # (line, text, what) of consecutive bad logged steps
+        self._numeric_fired = False
 
     # ------------------------------------------------------------------ API
     @property
@@ -177,13 +221,24 @@ class LogScanner:
         return self._lines
 
     def feed(self, chunk: bytes) -> list[Evidence]:
-        """Feed bytes as appended to the log; returns NEW fatal evidence (OOM, device fault)."""
+        """Feed bytes as appended to the log; returns NEW fatal evidence (structural only).
+
+        Never raises on any log content: a line the scanner fails on is skipped and counted in
+        `internal_errors` (the daemon must keep control of the training whatever it prints).
+        """
         if self._flushed:
             raise RuntimeError("LogScanner.feed() after finish()")
         if not chunk:
             return []
-        chunk = bytes(chunk)
         fatal: list[Evidence] = []
+        try:
+            self._feed(bytes(chunk), fatal)
+        except Exception:  # noqa: BLE001 - a scanner bug must not cost the daemon its training
+            self.internal_errors += 1
+            self._partial = b""
+        return fatal
+
+    def _feed(self, chunk: bytes, fatal: list[Evidence]) -> list[Evidence]:
         start = 0
         if self._partial:
             # Complete the pending line first; the rest of the chunk is then read in place (no copy).
@@ -215,7 +270,10 @@ class LogScanner:
         if not self._flushed:
             if self._partial:
                 data, self._partial = self._partial + b"\n", b""
-                self._scan_region(data, 0, len(data), [])
+                try:
+                    self._scan_region(data, 0, len(data), [])
+                except Exception:  # noqa: BLE001 - see feed()
+                    self.internal_errors += 1
             self._flushed = True
         return conclude(self.state(), exit, host)
 
@@ -238,6 +296,8 @@ class LogScanner:
             tail=list(self._tail),
             context_phase=self._context_phase_now(),
             min_loss_scale_overflows=self._min_scale_overflows,
+            internal_errors=self.internal_errors,
+            samples_skipped=self.samples_skipped,
         )
 
     # ------------------------------------------------------------ bytes level
@@ -250,6 +310,10 @@ class LogScanner:
         block = LONG_LINE + OVERLAP
         while len(data) - start >= block and data.find(b"\n", start, start + block) < 0:
             self._rs = start
+            if self._sample_bytes is not None:  # a token-id list of a printed sample: not evidence
+                self._sample_bytes += LONG_LINE
+                start += LONG_LINE
+                continue
             if self._needle is None:
                 self._discover_total(data, start, start + block)
             self._scan_matches(data, start, start + block, self._lines + 1, fatal, count_lines=False)
@@ -258,7 +322,65 @@ class LogScanner:
         return start
 
     def _scan_region(self, buf: bytes, start: int, end: int, fatal: list[Evidence]) -> None:
-        """Process the complete lines buf[start:end] (end is just after a newline)."""
+        """Process the complete lines buf[start:end] (end is just after a newline), skipping printed samples."""
+        pos = start
+        while pos < end:
+            if self._sample_bytes is not None:
+                stop = self._sample_stop(buf, pos, end)
+                self._skip_lines(buf, pos, stop)
+                pos = stop
+                continue
+            h = self._sample_header(buf, pos, end)
+            stop = end if h < 0 else h
+            if stop > pos:
+                self._scan_plain(buf, pos, stop, fatal)
+            if h < 0:
+                return
+            self._sample_bytes = 0
+            self.samples_skipped += 1
+            he = buf.index(b"\n", h) + 1  # the header line belongs to the block
+            self._skip_lines(buf, h, he)
+            pos = he
+
+    @staticmethod
+    def _sample_header(buf: bytes, start: int, end: int) -> int:
+        """Start of the first printed-sample header line in buf[start:end], or -1."""
+        best = -1
+        for needle in (b" example:", b"input_ids:"):
+            p = buf.find(needle, start, end)
+            while p >= 0 and (best < 0 or p < best):
+                ls = buf.rfind(b"\n", start, p) + 1 or start
+                if _SAMPLE_HEADER_RE.match(buf, ls, end) and (ls == start or buf[ls - 1] == 10 or ls == 0):
+                    best = ls
+                    break
+                p = buf.find(needle, p + 1, end)
+        return best
+
+    def _sample_stop(self, buf: bytes, pos: int, end: int) -> int:
+        """Where the open sample block ends in buf[pos:end] (a line start), closing it if it does."""
+        assert self._sample_bytes is not None
+        m = _SAMPLE_END_RE.search(buf, pos, end)
+        stop = m.start() if m else end
+        budget = SAMPLE_MAX_BYTES - self._sample_bytes
+        if stop - pos > budget:  # too long for a sample: end it at the next line start past the budget
+            nl = buf.find(b"\n", pos + max(0, budget), end)
+            stop = end if nl < 0 else nl + 1
+            m = True  # type: ignore[assignment]
+        self._sample_bytes += stop - pos
+        if m:
+            self._sample_bytes = None
+        return stop
+
+    def _skip_lines(self, buf: bytes, start: int, end: int) -> None:
+        """Count lines that are not evidence (a printed sample) and keep them for the tail only."""
+        if end <= start:
+            return
+        base = self._lines
+        nlines = buf.count(b"\n", start, end)
+        self._lines = base + nlines
+        self._remember_tail(buf, start, end, base, nlines)
+
+    def _scan_plain(self, buf: bytes, start: int, end: int, fatal: list[Evidence]) -> None:
         base = self._lines
         self._rs = start
         if self._needle is None:
@@ -311,7 +433,10 @@ class LogScanner:
                 if len(pieces) > 1 and not _PIECE_FILTER.search(text.encode()):
                     continue
             if text:
-                self._handle_segment(text, line_no, buf, ls, fatal)
+                try:
+                    self._handle_segment(text, line_no, buf, ls, fatal)
+                except Exception:  # noqa: BLE001 - one odd line must not stop the scan
+                    self.internal_errors += 1
 
     # ------------------------------------------------------------- line level
     def _handle_segment(self, raw: str, line_no: int, buf: bytes, ls: int, fatal: list[Evidence]) -> None:
@@ -322,22 +447,77 @@ class LogScanner:
             if fm:
                 frames = self._frames.setdefault(seg.rank, deque(maxlen=MAX_FRAMES))
                 frames.append((fm.group("func"), fm.group("path")))
+                if seg.rank in self._tb_at:
+                    self._tb_at[seg.rank] = line_no
                 if "/rocm" in fm.group("path") or "hip" in fm.group("path").rsplit("/", 1)[-1]:
                     self._hip = True
                 return
         if "Traceback (most recent call last)" in t:
             self._frames.pop(seg.rank, None)
+            self._tb_at[seg.rank] = line_no
+            self._exc_at.pop(seg.rank, None)
             return
         if not self._hip and rules.HIP_RE.search(raw):
             self._hip = True
         if not self._cuda and rules.CUDA_RE.search(raw):
             self._cuda = True
         self._track_markers(t, line_no, buf, ls)
+        if t.startswith("{") and "loss" in t:
+            self._track_logged_step(t, seg, line_no, buf, ls, fatal)
+        structural = self._structural(seg, line_no)
         for hit in classify(seg):
-            self._record(hit, seg, line_no, buf, ls, fatal)
+            self._record(hit, seg, line_no, buf, ls, fatal, structural)
         # An exception line closes that rank's traceback (or the unprefixed one it used).
         if seg.exc is not None and self._frames.pop(seg.rank, None) is None and seg.rank is not None:
             self._frames.pop(None, None)
+
+    def _track_logged_step(self, t: str, seg: Segment, line_no: int, buf: bytes, ls: int,
+                           fatal: list[Evidence]) -> None:
+        """NUMERIC_RUN logged steps in a row with loss nan/inf/exactly 0.0 or grad_norm nan/inf:
+        the run is training garbage; say so live (once) instead of at the end of the night."""
+        m = _LOGGED_LOSS_RE.match(t)
+        if not m:
+            return
+        what = _bad_value(m.group(1), zero_is_bad=True)
+        if what is None:
+            g = _LOGGED_GRAD_RE.search(t)
+            gw = _bad_value(g.group(1), zero_is_bad=False) if g else None
+            what = f"grad_norm {gw}" if gw else None
+        else:
+            what = f"loss {what}"
+        if what is None:
+            self._numeric_run.clear()
+            return
+        self._numeric_run.append((line_no, t[:EVIDENCE_CHARS], what))
+        if len(self._numeric_run) < NUMERIC_RUN or self._numeric_fired:
+            return
+        self._numeric_fired = True
+        run = self._numeric_run[-NUMERIC_RUN:]
+        sub = "zero_loss" if all(w == "loss 0.0" for _, _, w in run) else (
+            "nan_loss" if all(w.startswith("loss") for _, _, w in run) else "nonfinite_grad_norm")
+        hit = Hit("numeric_run", Category.NUMERIC, rules.ROOT, sub, fatal=True)
+        self._record(hit, seg, line_no, buf, ls, fatal, structural=True)
+        self._latest["numeric_run"].notes.append(
+            f"{NUMERIC_RUN} logged steps in a row with {', '.join(w for _, _, w in run)} (lines "
+            + ", ".join(str(n) for n, _, _ in run) + ")")
+
+    def _structural(self, seg: Segment, line_no: int) -> bool:
+        """Is this line an exception that ends a traceback block (or part of that exception's message)?
+
+        The traceback is the same rank's (a rank-prefixed exception may close an unprefixed
+        one); its last frame must be at most TB_GAP lines before (the frame's code and caret
+        lines come between). Lines printed like an exception anywhere else are text.
+        """
+        if seg.exc is not None:
+            key = seg.rank if seg.rank in self._tb_at else (None if None in self._tb_at else seg.rank)
+            at = self._tb_at.pop(key, None)
+            if at is not None and 0 <= line_no - at <= TB_GAP:
+                self._exc_at[seg.rank] = line_no
+                return True
+        at = self._exc_at.get(seg.rank)
+        if at is None and seg.rank is not None:
+            at = self._exc_at.get(None)
+        return at is not None and 0 < line_no - at <= EXC_MESSAGE_LINES
 
     def _track_markers(self, t: str, line_no: int, buf: bytes, ls: int) -> None:
         if not _MARKER_GATE.search(t):
@@ -375,7 +555,8 @@ class LogScanner:
             if m:
                 self._torchrun_rank = int(m.group(1))
 
-    def _record(self, hit: Hit, seg: Segment, line_no: int, buf: bytes, ls: int, fatal: list[Evidence]) -> None:
+    def _record(self, hit: Hit, seg: Segment, line_no: int, buf: bytes, ls: int, fatal: list[Evidence],
+                structural: bool = False) -> None:
         seen = self._line_key[1]
         if hit.rule in seen:
             return
@@ -406,7 +587,8 @@ class LogScanner:
         if len(text) > EVIDENCE_CHARS:
             text = text[:EVIDENCE_CHARS] + "..."
         self._seq += 1
-        f = Finding(hit=hit, line_no=line_no, text=text, rank=rank, phase=phase, seq=self._seq, notes=notes)
+        f = Finding(hit=hit, line_no=line_no, text=text, rank=rank, phase=phase, seq=self._seq, notes=notes,
+                    structural=structural)
         if hit.category in (Category.GPU_OOM, Category.HOST_OOM):
             f.step_before = self._step_before(buf, ls)
             if len(self._watch) >= MAX_WATCH:
@@ -416,7 +598,7 @@ class LogScanner:
         if len(kept) < self.max_evidence_per_rule:
             kept.append(f)
         self._latest[hit.rule] = f
-        if hit.fatal and hit.tier != HINT:
+        if hit.fatal and hit.tier != HINT and structural:
             fatal.append(f.evidence())
 
     # ------------------------------------------------------------ progress

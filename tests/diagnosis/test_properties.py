@@ -74,7 +74,8 @@ def test_truncated_input_never_crashes(data, cut):
 def test_huge_line_without_newline_is_scanned_in_bounded_memory():
     """12 MB on one line with an OOM near its end, fed in 64 KiB chunks; the newline comes last."""
     filler = (b"\r 50%|\xe2\x96\x88\xe2\x96\x88    | 50/100 [00:10<00:10,  5.00it/s]" * 200_000)[: 12 * 1024 * 1024]
-    data = filler + b" " + OOM + b" trailing text" * 1000 + b"\n"
+    head = b'Traceback (most recent call last):\n  File "/x/trainer.py", line 1, in training_step\n'
+    data = head + filler + b" " + OOM + b" trailing text" * 1000 + b"\n"
     scanner = LogScanner()
     fatal = []
     for i in range(0, len(data), 65536):
@@ -83,10 +84,10 @@ def test_huge_line_without_newline_is_scanned_in_bounded_memory():
     assert [e.rule for e in fatal] == ["torch_oom"]
     d = scanner.finish(ExitRecord(returncode=1))
     assert d.category is Category.GPU_OOM and d.vendor == "hip" and d.rank == 3
-    assert d.evidence[0].line_no == 1
+    assert d.evidence[0].line_no == 3
     assert len(d.evidence[0].text) <= 2003
     assert scanner.last_step == 50
-    assert scanner.lines_seen == 1
+    assert scanner.lines_seen == 3
 
 
 def test_huge_line_same_answer_whatever_the_chunk_size():

@@ -27,12 +27,21 @@ def bars(a, b):
     return b"".join(BAR % (s, s) for s in range(a, b + 1)) + b"\n"
 
 
+def tb(line: bytes, rank: int | None = None) -> bytes:
+    """`line` as the exception that ends a Python traceback (what a real crash prints)."""
+    p = b"[rank%d]: " % rank if rank is not None else b""
+    return (p + b"Traceback (most recent call last):\n"
+            + p + b'  File "/x/transformers/trainer.py", line 3745, in training_step\n'
+            + p + b"    self.accelerator.backward(loss, **kwargs)\n" + line + b"\n")
+
+
 def test_feed_reports_fatal_evidence_once_when_the_line_completes():
     s = LogScanner()
     assert s.feed(bars(1, 5)) == []
+    assert s.feed(tb(b"")[:-1]) == []
     assert s.feed(OOM[:40]) == []  # partial line: buffered
     fatal = s.feed(OOM[40:] + b"\n")
-    assert [(e.rule, e.line_no) for e in fatal] == [("torch_oom", 2)]
+    assert [(e.rule, e.line_no) for e in fatal] == [("torch_oom", 5)]
     assert "OutOfMemoryError" in fatal[0].text
     assert s.feed(b"more output\n") == []
     assert s.finish(ExitRecord(1)).rank == 3
@@ -51,19 +60,25 @@ def test_non_fatal_lines_do_not_ask_for_teardown(line):
 
 @pytest.mark.parametrize("line, rule", [
     (b"RuntimeError: HIP error: out of memory", "driver_oom"),
-    (b"Memory access fault by GPU node-2 (Agent handle: 0x5) on address 0x7f. Reason: Page not present.", "memory_access_fault"),
+    (b"RuntimeError: HIP error: an illegal memory access was encountered", "illegal_memory_access"),
     (b"RuntimeError: [enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes.", "cpu_alloc"),
     (b"[rank1]: RuntimeError: CUDA error: an illegal memory access was encountered", "illegal_memory_access"),
 ])
 def test_fatal_lines(line, rule):
-    assert [e.rule for e in LogScanner().feed(line + b"\n")] == [rule]
+    """Fatal only as the exception that ends a traceback; the same text on its own line is a hint."""
+    rank = 1 if line.startswith(b"[rank1]") else None
+    assert [e.rule for e in LogScanner().feed(tb(line, rank))] == [rule]
+    assert LogScanner().feed(line + b"\n") == []
+    d = diagnose_bytes(line + b"\n", ExitRecord(1))
+    assert d.strength == "hint" and d.category in (Category.GPU_OOM, Category.HOST_OOM, Category.CRASH_OTHER), d
 
 
 def test_earliest_root_cause_wins_over_an_earlier_consequence_and_a_later_root():
     log = (b"[rank0]:[E1 ProcessGroupNCCL.cpp:1] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1)\n"
-           b"[rank2]: RuntimeError: CUDA error: an illegal memory access was encountered\n" + OOM + b"\n")
+           + tb(b"[rank2]: RuntimeError: CUDA error: an illegal memory access was encountered", 2) + tb(OOM, 3))
     d = diagnose_bytes(log, ExitRecord(1))
-    assert (d.category, d.rank, d.evidence[0].line_no) == (Category.DEVICE_FAULT, 2, 2)
+    assert (d.category, d.rank, d.evidence[0].line_no) == (Category.DEVICE_FAULT, 2, 5)
+    assert d.strength == "structural"
     assert {e.rule for e in d.evidence} >= {"nccl_timeout", "torch_oom"}
 
 
