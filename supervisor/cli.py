@@ -128,48 +128,105 @@ def cmd_daemon(args) -> int:
 
 
 def cmd_submit(args) -> int:
+    """Exit 2 with one paragraph for anything wrong with the file or the spool; never a
+    traceback, never a hang (parsing is bounded, FIFOs are not opened for reading)."""
     from .jobspec import JobFileError
-    from .spool import submit
+    from .spool import display_name, submit
 
     cfg = _config(args)
-    path: Path = args.file
+    shown = display_name(str(args.file))
     try:
-        if path.is_symlink():
-            path = path.resolve()
-        if not path.is_file():
-            print(f"oom-supervisor: {args.file}: not a regular file", file=sys.stderr)
-            return EXIT_USAGE
-        if path.stat().st_size > cfg.max_job_file_bytes:
-            print(f"oom-supervisor: {args.file}: larger than {cfg.max_job_file_bytes} bytes", file=sys.stderr)
-            return EXIT_USAGE
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        print(f"oom-supervisor: {args.file}: {exc}", file=sys.stderr)
+        text = _read_job_file(args.file, cfg.max_job_file_bytes)
+    except _Refused as exc:
+        print(f"oom-supervisor: {shown}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        dest = submit(cfg.spool, text, name=path.name, cwd=Path.cwd())
+        dest = submit(cfg.spool, text, name=Path(args.file).name, cwd=Path.cwd(),
+                      policy_dirs=cfg.policy_search_dirs())
     except JobFileError as err:
         print(err.report(), file=sys.stderr)
         return EXIT_USAGE
-    print(f"submitted {args.file} as {dest}")
+    except OSError as exc:
+        where = display_name(exc.filename) if getattr(exc, "filename", None) else str(cfg.spool.incoming)
+        print(f"oom-supervisor: cannot write the job into the spool {cfg.spool.incoming}: {where}: "
+              f"{exc.strerror or exc} ({_why_unwritable(exc)}); nothing was submitted", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # a bug of ours must still not print a traceback at the user
+        print(f"oom-supervisor: {shown} could not be checked ({type(exc).__name__}: {str(exc)[:200]}); "
+              "nothing was submitted", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"submitted {shown} as {dest}")
     if args.wait > 0:
-        deadline = time.monotonic() + args.wait
-        while time.monotonic() < deadline:
-            if cfg.state.db.exists():
-                store = _store(cfg)
-                row = store.conn.execute("SELECT id FROM jobs WHERE source=?", (dest.name,)).fetchone()
-                store.close()
-                if row:
-                    print(f"job {row[0]}")
-                    return EXIT_OK
-            rejected = cfg.spool.rejected / (dest.name + ".error.txt")
-            if rejected.exists():
-                print(rejected.read_text(), file=sys.stderr)
-                return EXIT_USAGE
-            time.sleep(0.2)
-        print("oom-supervisor: the daemon has not picked it up yet (is it running?)", file=sys.stderr)
-        return EXIT_FAIL
+        return _wait_accepted(cfg, dest, args.wait)
     return EXIT_OK
+
+
+class _Refused(Exception):
+    pass
+
+
+def _read_job_file(path: Path, max_bytes: int) -> str:
+    """The job file's text; _Refused saying why it cannot be one."""
+    import errno
+    import os
+    import stat as stat_mod
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO must not block
+    except FileNotFoundError:
+        raise _Refused("no such file") from None
+    except OSError as exc:
+        raise _Refused(f"cannot be opened: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise _Refused("not a regular file")
+        if st.st_size > max_bytes:
+            raise _Refused(f"is {st.st_size} bytes; job files are limited to {max_bytes} bytes")
+        data = b""
+        while len(data) <= max_bytes:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        if len(data) > max_bytes:
+            raise _Refused(f"is larger than {max_bytes} bytes (it grew while being read)")
+    except OSError as exc:
+        raise _Refused(f"cannot be read: {errno.errorcode.get(exc.errno, '')} {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Refused(f"is not UTF-8 text (byte {exc.start}); job files are YAML text") from None
+
+
+def _why_unwritable(exc: OSError) -> str:
+    import errno
+
+    return {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
+            errno.EROFS: "the file system is read-only", errno.EACCES: "no permission to write there",
+            errno.EPERM: "no permission to write there", errno.EEXIST: "a file is in the way of a folder",
+            errno.ENOTDIR: "a file is in the way of a folder"}.get(exc.errno, "check the spool folder")
+
+
+def _wait_accepted(cfg, dest: Path, wait_s: float) -> int:
+    deadline = time.monotonic() + wait_s
+    rejected = cfg.spool.rejected / (dest.name + ".error.txt")
+    while time.monotonic() < deadline:
+        if cfg.state.db.exists():
+            store = _store(cfg)
+            row = store.conn.execute("SELECT id FROM jobs WHERE source=?", (dest.name,)).fetchone()
+            store.close()
+            if row:
+                print(f"job {row[0]}")
+                return EXIT_OK
+        if rejected.exists():
+            print(rejected.read_text(errors="replace"), file=sys.stderr)
+            return EXIT_USAGE
+        time.sleep(0.2)
+    print("oom-supervisor: the daemon has not picked it up yet (is it running?)", file=sys.stderr)
+    return EXIT_FAIL
 
 
 def job_summary(store, job) -> dict[str, Any]:
@@ -212,8 +269,13 @@ def cmd_status(args) -> int:
         return EXIT_OK
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    console = Console()
+    from .render_show import clean
+
+    # Names and reasons are untrusted (job files, logs): Text, never markup, no control codes.
+    rows, paused = clean(rows), clean(paused)
+    console = Console(highlight=False)
     wide = console.width >= 120
     table = Table(box=None, pad_edge=False)
     for col in ("ID", "NAME", "STATE", "ATT", "PROGRESS", "LAST", "REMEDY"):
@@ -223,14 +285,16 @@ def cmd_status(args) -> int:
     for r in rows:
         cells = [str(r["id"]), r["name"], r["state"], str(r["attempts"]), r["progress"] or "-",
                  r["last_diagnosis"] or "-", r["remedy"] or "-"]
-        table.add_row(*cells, *([r["reason"] or ""] if wide else []))
+        table.add_row(*(Text(str(c)) for c in cells), *([Text(r["reason"] or "")] if wide else []))
     if paused:
-        console.print(f"[bold red]queue paused[/]: {paused} (fix it, then `oom-supervisor unpause`)")
-    console.print(table if rows else "no jobs yet")
+        line = Text("queue paused", style="bold red")
+        line.append(f": {paused} (fix it, then `oom-supervisor unpause`)")
+        console.print(line)
+    console.print(table if rows else Text("no jobs yet"))
     if not wide:  # reasons on their own lines rather than cropped into a narrow column
         for r in rows:
             if r["reason"]:
-                console.print(f"  {r['id']}: {r['reason']}", highlight=False)
+                console.print(Text(f"  {r['id']}: {r['reason']}"))
     return EXIT_OK
 
 

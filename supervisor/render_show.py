@@ -1,8 +1,13 @@
-"""Human views of the record: `show` (the night, attempt by attempt) and `watch` (live)."""
+"""Human views of the record: `show` (the night, attempt by attempt) and `watch` (live).
+
+Everything shown here comes from job files and training logs, so it is untrusted:
+it is always rendered as `rich.text.Text`, never parsed as markup (a reason with
+`[/bold]` crashed rich; `[rank1]` vanished)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import re
 import time
 from typing import Any
 
@@ -11,6 +16,21 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(obj: Any) -> Any:
+    """`obj` with every string's control characters shown as escapes: an ESC from a
+    training log must not drive the user's terminal (rich's Text keeps it)."""
+    if isinstance(obj, str):
+        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", obj)
+    if isinstance(obj, dict):
+        return {k: clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    return obj
 
 
 def _ts(t: float | None) -> str:
@@ -101,16 +121,21 @@ def attempt_panel(a: dict[str, Any]) -> Panel:
         for c in dec.get("changes") or []:
             why = "" if c["why"] and c["why"] in (dec.get("reason") or "") else f"  ({c['why']})"
             lines.append(f"  {c['target']} {c['key']}: {c['old']!r} -> {c['new']!r}{why}\n")
-    title = f"attempt {a['number']}" + (" (interrupted)" if a.get("interrupted") else "")
+    title = Text(f"attempt {a['number']}" + (" (interrupted)" if a.get("interrupted") else ""))
     return Panel(lines, title=title, title_align="left")
 
 
 def print_timeline(data: dict[str, Any], console: Console | None = None) -> None:
-    console = console or Console()
-    console.print(f"[bold]job {data['id']}[/] {data['name']}  state: [bold]{data['state']}[/]  "
-                  f"attempts: {data['attempts']}  workdir: {data['workdir']}")
+    console = console or Console(highlight=False)
+    data = clean(data)
+    head = Text()
+    head.append(f"job {data['id']}", style="bold")
+    head.append(f" {data['name']}  state: ")
+    head.append(str(data["state"]), style="bold")
+    head.append(f"  attempts: {data['attempts']}  workdir: {data['workdir']}")
+    console.print(head)
     if data.get("reason"):
-        console.print(f"why: {data['reason']}")
+        console.print(Text(f"why: {data['reason']}"))
     for a in data["attempt_list"]:
         console.print(attempt_panel(a))
     table = Table(title="events", box=None, show_header=True)
@@ -119,7 +144,7 @@ def print_timeline(data: dict[str, Any], console: Console | None = None) -> None
     table.add_column("event")
     table.add_column("message", overflow="fold")
     for e in data["events"]:
-        table.add_row(_ts(e["ts"]), str(e["attempt"] or ""), e["kind"], e["message"])
+        table.add_row(_ts(e["ts"]), str(e["attempt"] or ""), Text(str(e["kind"])), Text(str(e["message"])))
     console.print(table)
 
 
@@ -128,7 +153,7 @@ def watch(cfg, job_id: int, *, interval: float = 1.0) -> int:
     from .cli import job_timeline
     from .store import Store
 
-    console = Console()
+    console = Console(highlight=False)
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         while True:
             store = Store(cfg.state.db)
@@ -141,6 +166,7 @@ def watch(cfg, job_id: int, *, interval: float = 1.0) -> int:
                 n = data["attempt_list"][-1]["number"]
                 log = cfg.state.job(job_id).attempt(n).log
                 tail = _tail(log, 6)
+            data, tail = clean(data), clean(tail)
             head = Text(f"job {job_id} {data['name']}: {data['state']}  attempt {data['attempts']}  "
                         f"{data.get('progress') or ''}  remedy: {data.get('remedy') or 'none'}\n", style="bold")
             if data.get("reason"):
