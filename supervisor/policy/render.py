@@ -21,7 +21,7 @@ from ..models import Change, Overrides
 from .allocator import ALLOC_VARS, merged_alloc_env
 from .rungs import MEMORY_FRACTION_ENV
 
-HOOK_DIR = Path(__file__).resolve().parent.parent / "hooks" / "memory_fraction"
+HOOK_DIR = Path(__file__).resolve().parent.parent / "hooks" / "startup"
 EFFECTIVE_YAML = "effective.yaml"
 DS_CONFIG = "ds_config.json"
 

@@ -1,0 +1,378 @@
+"""Emergency checkpoint: lose no finished optimizer step to a catchable OOM (issue 13).
+
+Installed after `import transformers.trainer` when OOM_SUPERVISOR_EMERGENCY_CKPT=1. It wraps
+`Trainer.train` (subclasses such as LLaMA-Factory's inherit it) and adds a callback that knows
+where in the step the run is. When train() raises a catchable OOM (torch.OutOfMemoryError on
+CUDA/HIP, or PyTorch's CPU allocator failure) in a run with ONE process:
+
+  1. memory is released: the traceback's frames (activations, the batch, the graph) are
+     cleared, gradients dropped (`zero_grad(set_to_none=True)` on model and optimizer),
+     `gc.collect()`, `torch.cuda.empty_cache()`;
+  2. the Trainer's own `_save_checkpoint` writes checkpoint-N of the LAST FINISHED step N
+     (weights, optimizer, scheduler, trainer state, RNG) into `<output_dir>/tmp-checkpoint-N/`,
+     and only a finished save (trainer_state.json present, files fsynced) is renamed to
+     `<output_dir>/checkpoint-N`. A failed save is removed and leaves no `checkpoint-N`;
+  3. the original exception is re-raised: the process still exits non-zero with the real
+     traceback (what the supervisor's diagnosis reads), after the marker lines below.
+
+The optimizer state is step N's only if the OOM came before the optimizer step of N+1
+(forward/backward, including a partial gradient accumulation, which is discarded: exactly
+what resuming at N means). From `on_pre_optimizer_step` (and, under DeepSpeed, from the entry
+of `engine.step()`, which accelerate calls inside backward) until `on_step_end`, parameters and
+optimizer state may be half-updated: then nothing is saved, and the marker says why. State the
+trainer accumulates per micro-batch (tokens seen, FLOs, RNG) is restored to its value at the end
+of step N first, so the checkpoint equals the one a regular save at step N would have written.
+
+Multi-rank (WORLD_SIZE > 1): nothing is saved. The other ranks are inside (or about to enter) a
+collective that this rank will never join; a save needs them all (DeepSpeed/FSDP shards, the
+barrier in `_save_checkpoint`). The rank prints why and re-raises at once; torchrun then stops
+the other ranks and the supervisor resumes from the last regular checkpoint.
+
+Marker lines (stdout, flushed, one line each; the supervisor parses the `oom-supervisor:` prefix):
+  oom-supervisor: emergency checkpoint: saving step N to <output_dir>/checkpoint-N (...)
+  oom-supervisor: emergency checkpoint at step N: <path>
+  oom-supervisor: emergency checkpoint at step N: <path> (already saved by the regular schedule)
+  oom-supervisor: emergency checkpoint at step N failed: <why>
+  oom-supervisor: no emergency checkpoint: <why>
+"""
+
+import gc
+import os
+import random
+import shutil
+import sys
+import time
+import traceback
+
+from . import warn
+
+PREFIX = "oom-supervisor:"
+STATE_FILE = "trainer_state.json"
+QUARANTINE_DIR = ".supervisor-quarantine"  # the supervisor's own (checkpoints.py); not `checkpoint-*`
+_CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+_GPU_OOM = ("CUDA out of memory.", "HIP out of memory.")  # old torch raised a plain RuntimeError
+
+
+def say(msg):
+    sys.stdout.write(f"{PREFIX} {msg}\n")
+    sys.stdout.flush()
+
+
+def install(trainer_module):
+    trainer_cls = trainer_module.Trainer
+    if getattr(trainer_cls.train, "_oom_supervisor", False):
+        return
+    original = trainer_cls.train
+
+    def train(self, *args, **kwargs):
+        tracker = _tracker(self)
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException as exc:
+            kind = oom_kind(exc)
+            if kind is None or tracker.handled:
+                raise
+            tracker.handled = True  # one emergency save per process, even if the caller retries
+            try:
+                on_oom(self, tracker, exc, kind)
+            except BaseException as inner:  # never hide the OOM behind our own failure
+                say(f"emergency checkpoint at step {_step(self)} failed: {type(inner).__name__}: {inner}")
+            raise
+
+    train.__wrapped__ = original
+    train.__doc__ = original.__doc__
+    train.__name__ = original.__name__
+    train.__qualname__ = original.__qualname__
+    train._oom_supervisor = True
+    trainer_cls.train = train
+
+
+def oom_kind(exc):
+    """'gpu' / 'cpu' for a catchable OOM (the exception or one it was raised from), else None."""
+    torch = sys.modules.get("torch")
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None))
+                      if isinstance(t, type))
+    seen = 0
+    while exc is not None and seen < 8:
+        if oom_types and isinstance(exc, oom_types):
+            return "gpu"
+        if isinstance(exc, RuntimeError):
+            text = str(exc)
+            if any(s in text for s in _CPU_OOM):
+                return "cpu"
+            if any(s in text for s in _GPU_OOM):
+                return "gpu"
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def _step(trainer):
+    return getattr(getattr(trainer, "state", None), "global_step", "?")
+
+
+def _world_size(trainer):
+    try:
+        return int(trainer.args.world_size)
+    except Exception:
+        try:
+            return int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            return 1
+
+
+# --- where in the step are we ---------------------------------------------------------------
+
+def _tracker(trainer):
+    tracker = getattr(trainer, "_oom_supervisor_tracker", None)
+    if tracker is None:
+        tracker = _make_tracker(trainer)
+        trainer._oom_supervisor_tracker = tracker
+        trainer.add_callback(tracker)
+    return tracker
+
+
+def _make_tracker(trainer):
+    from transformers import TrainerCallback
+
+    class EmergencyTracker(TrainerCallback):
+        """Snapshots what a save at the end of each step would write; marks unsafe windows."""
+
+        def __init__(self):
+            self.handled = False
+            self.started_at = None  # global_step when train() began (the resumed step, or 0)
+            self.finished = 0  # optimizer steps finished in this process
+            self.unsafe = None  # why the optimizer/parameter state may be half-updated, or None
+            self.snap = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.started_at, self.finished, self.unsafe = state.global_step, 0, None
+            _watch_deepspeed_step(trainer, self)
+            self.snap = None
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            self.mark_unsafe(state)
+
+        def mark_unsafe(self, state):
+            if self.unsafe is None:
+                self.unsafe = f"the OOM hit the optimizer step of step {state.global_step + 1}"
+
+        def on_step_end(self, args, state, control, **kw):
+            self.unsafe = None
+            self.finished += 1
+            self.snap = _snapshot(trainer)
+
+    return EmergencyTracker()
+
+
+def _watch_deepspeed_step(trainer, tracker):
+    """accelerate runs DeepSpeed's optimizer step inside backward (engine.step()): mark it too."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return
+    engine = getattr(trainer, "model_wrapped", None)
+    step = getattr(engine, "step", None)
+    if step is None or getattr(step, "_oom_supervisor", False):
+        return
+
+    def watched(*args, **kwargs):
+        tracker.mark_unsafe(trainer.state)
+        return step(*args, **kwargs)
+
+    watched._oom_supervisor = True
+    engine.step = watched
+
+
+def _snapshot(trainer):
+    import numpy as np
+    import torch
+
+    snap = {"python": random.getstate(), "numpy": np.random.get_state(),
+            "cpu": torch.random.get_rng_state(),
+            "tokens": getattr(trainer.state, "num_input_tokens_seen", None),
+            "flos": getattr(trainer, "current_flos", None)}
+    if torch.cuda.is_initialized():
+        snap["cuda"] = torch.cuda.random.get_rng_state_all()
+    return snap
+
+
+def _restore(trainer, snap):
+    import numpy as np
+    import torch
+
+    random.setstate(snap["python"])
+    np.random.set_state(snap["numpy"])
+    torch.random.set_rng_state(snap["cpu"])
+    if "cuda" in snap:
+        torch.cuda.random.set_rng_state_all(snap["cuda"])
+    if snap["tokens"] is not None:
+        trainer.state.num_input_tokens_seen = snap["tokens"]
+    if snap["flos"] is not None:
+        trainer.current_flos = snap["flos"]
+
+
+# --- the OOM path ---------------------------------------------------------------------------
+
+def on_oom(trainer, tracker, exc, kind):
+    from . import peak
+
+    peak.record("oom")
+    step = _step(trainer)
+    world = _world_size(trainer)
+    what = "a GPU OOM" if kind == "gpu" else "a CPU-allocator OOM"
+    if world > 1:
+        say(f"no emergency checkpoint: {what} on rank {os.environ.get('RANK', '?')} of {world}; the other "
+            f"ranks wait in a collective this rank will not join, so no coordinated save is possible; "
+            f"the last regular checkpoint is the resume point")
+        return
+    freed = release_memory(trainer, exc)
+    if tracker.unsafe is not None:
+        say(f"no emergency checkpoint: {tracker.unsafe}: parameters and optimizer state may be "
+            f"half-updated, so saving them as step {step} would be wrong; the last regular "
+            f"checkpoint is the resume point")
+        return
+    if tracker.started_at is None or tracker.finished == 0:
+        say(f"no emergency checkpoint: no optimizer step finished in this process "
+            f"(global step {step}); {what} before the first step end")
+        return
+    say(f"emergency checkpoint: saving step {step} to {_final_dir(trainer, step)} "
+        f"(after {what}; {freed})")
+    t0 = time.monotonic()
+    try:
+        path, already = save(trainer, step, tracker.snap)
+    except Exception as err:
+        say(f"emergency checkpoint at step {step} failed: {type(err).__name__}: {err}")
+        return
+    if already:
+        say(f"emergency checkpoint at step {step}: {path} (already saved by the regular schedule)")
+    else:
+        say(f"emergency checkpoint at step {step}: {path} (saved in {time.monotonic() - t0:.1f} s)")
+
+
+def release_memory(trainer, exc):
+    """Drop what the failed step holds; return what was released, in words."""
+    import torch
+
+    before = _used(torch)
+    e, n = exc, 0
+    while e is not None and n < 8:  # the frames hold the batch, activations and autograd graph
+        traceback.clear_frames(e.__traceback__)
+        e, n = e.__cause__ or e.__context__, n + 1
+    for obj in (getattr(trainer, "model", None), getattr(trainer, "model_wrapped", None)):
+        _call(obj, "zero_grad", set_to_none=True)
+    opt = getattr(trainer, "optimizer", None)
+    _call(opt, "zero_grad", set_to_none=True)
+    _call(getattr(opt, "optimizer", None), "zero_grad", set_to_none=True)  # behind accelerate's wrapper
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    after = _used(torch)
+    if before is None or after is None:
+        return "gradients dropped, caches emptied"
+    where = "GPU memory reserved by PyTorch" if torch.cuda.is_initialized() else "resident memory"
+    return f"gradients dropped, caches emptied: {where} {_mib(before)} -> {_mib(after)}"
+
+
+def _used(torch):
+    """Bytes this process holds: GPU reserved memory when CUDA is in use, else resident memory."""
+    try:
+        if torch.cuda.is_initialized():
+            return sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except Exception:
+        return None
+
+
+def _mib(n):
+    return f"{max(n, 0) / 2**20:.0f} MiB"
+
+
+def _call(obj, name, **kwargs):
+    fn = getattr(obj, name, None)
+    if fn is None:
+        return
+    try:
+        fn(**kwargs)
+    except TypeError:
+        try:
+            fn()
+        except Exception:
+            pass
+    except Exception:
+        pass
+
+
+def _run_dir(trainer):
+    return os.path.abspath(trainer._get_output_dir(trial=None))
+
+
+def _final_dir(trainer, step):
+    return os.path.join(_run_dir(trainer), f"checkpoint-{step}")
+
+
+def save(trainer, step, snap):
+    """Write checkpoint-`step` through the Trainer's own save, staged; return (path, already)."""
+    run_dir = _run_dir(trainer)
+    final = os.path.join(run_dir, f"checkpoint-{step}")
+    if os.path.isdir(final):
+        if os.path.isfile(os.path.join(final, STATE_FILE)):
+            return final, True
+        _quarantine(final)  # a regular save that the OOM interrupted: never mistaken for complete
+    staging = os.path.join(run_dir, f"tmp-checkpoint-{step}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    if snap is not None:
+        _restore(trainer, snap)
+    trainer._get_output_dir = lambda trial=None: staging  # the save (and its rotation) stays inside
+    try:
+        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        produced = os.path.join(staging, f"checkpoint-{step}")
+        if not os.path.isfile(os.path.join(produced, STATE_FILE)):
+            raise RuntimeError(f"the Trainer's save left no {STATE_FILE} in {produced}")
+        _fsync_tree(produced)
+        os.rename(produced, final)
+        _fsync_dir(run_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        del trainer._get_output_dir
+    shutil.rmtree(staging, ignore_errors=True)
+    try:  # what a regular save does next (e.g. LLaMA-Factory saves the tokenizer/processor)
+        trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
+    except Exception as exc:
+        warn(f"on_save callbacks after the emergency checkpoint failed: {exc!r}")
+    return final, False
+
+
+def _quarantine(path):
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest_dir = os.path.join(os.path.dirname(path), QUARANTINE_DIR)
+    os.makedirs(dest_dir, exist_ok=True)
+    dest = os.path.join(dest_dir, f"{os.path.basename(path)}.incomplete-{stamp}")
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(dest_dir, f"{os.path.basename(path)}.incomplete-{stamp}.{n}")
+    os.rename(path, dest)
+    say(f"emergency checkpoint: moved the incomplete {path} (a regular save the OOM interrupted) to {dest}")
+
+
+def _fsync_tree(root):
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

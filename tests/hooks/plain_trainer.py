@@ -1,0 +1,92 @@
+"""A plain transformers Trainer job (no LLaMA-Factory) for the start-up hook's tests.
+
+A tiny random Llama with attention dropout (so the RNG state matters for exact resume) on
+fixed random token ids. The OOMs are PyTorch's real CPU-allocator failure: an allocation of
+1 PiB that `DefaultCPUAllocator` refuses, raised from the chosen place:
+  --oom-forward C        in the C-th training forward call (1-based; micro-batches count)
+  --oom-optimizer K      inside the K-th optimizer.step(), AFTER the parameters were updated
+Run under torchrun for the multi-rank case (`--oom-rank R` limits the OOM to rank R).
+Prints `LOSS <step> <loss>` per logged step and exits 0 when training ends.
+"""
+
+import argparse
+import os
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--max-steps", type=int, default=12)
+p.add_argument("--save-steps", type=int, default=5)
+p.add_argument("--batch", type=int, default=4)
+p.add_argument("--accum", type=int, default=2)
+p.add_argument("--oom-forward", type=int, default=0)
+p.add_argument("--oom-optimizer", type=int, default=0)
+p.add_argument("--oom-rank", type=int, default=-1)
+p.add_argument("--resume", default=None)
+a = p.parse_args()
+
+RANK = int(os.environ.get("RANK", "0"))
+ARMED = a.oom_rank < 0 or a.oom_rank == RANK
+
+
+def oom():
+    torch.empty(1 << 50, dtype=torch.uint8)  # RuntimeError: DefaultCPUAllocator: can't allocate memory
+
+
+class Model(LlamaForCausalLM):
+    calls = 0
+
+    def forward(self, *args, **kwargs):
+        if self.training:
+            Model.calls += 1
+            if ARMED and Model.calls == a.oom_forward:
+                oom()
+        return super().forward(*args, **kwargs)
+
+
+class AdamW(torch.optim.AdamW):
+    steps = 0
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        AdamW.steps += 1
+        if ARMED and AdamW.steps == a.oom_optimizer:
+            oom()
+        return out
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n=256, length=16):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(4, 128, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class PrintLoss(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs and RANK == 0:
+            print(f"LOSS {state.global_step} {logs['loss']!r}", flush=True)
+
+
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                  attention_dropout=0.1)
+model = Model(cfg)
+args = TrainingArguments(output_dir=a.out, max_steps=a.max_steps, save_steps=a.save_steps,
+                         per_device_train_batch_size=a.batch, gradient_accumulation_steps=a.accum,
+                         learning_rate=1e-3, logging_steps=1, report_to=[], seed=42, use_cpu=True,
+                         dataloader_num_workers=0, disable_tqdm=True,
+                         remove_unused_columns=False)
+opt = AdamW(model.parameters(), lr=1e-3)
+trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None),
+                  callbacks=[PrintLoss()])
+trainer.train(resume_from_checkpoint=a.resume)
+print("TRAINING DONE", flush=True)
