@@ -2,6 +2,11 @@
 
     python bench/bench_diagnosis.py                 # 1 GB log in the temp dir
     python bench/bench_diagnosis.py --size-mb 200 --dir /scratch --keep
+    python bench/bench_diagnosis.py --flood --size-mb 200     # keyword-dense flood (issue 9 item 4)
+
+`--flood` writes a log whose every line matches prefilter keywords (a job printing
+`[rank0]: Error: sample N skipped ...` and dataset text with OOM words for minutes), then
+one real OOM traceback: the scanner must stay linear and cheap there, in bounded memory.
 
 The log looks like a long LLaMA-Factory run under torchrun: tqdm bars redrawn
 with `\\r`, loss dicts, INFO lines, periodic warnings (some recommending
@@ -110,6 +115,28 @@ def generate(path: Path, size_bytes: int, seed: int = 0) -> int:
     return oom_line
 
 
+FLOOD_LINES = (
+    b"[rank0]: Error: sample %d skipped (bad format)\n",
+    b"[rank1]: ValueError: sample %d: CUDA out of memory. Tried to allocate 2.00 GiB (quoted from the dataset)\n",
+    b"[WARNING|2026-11-28 23:41:07] llamafactory.data:12 >> sample %d mentions RuntimeError: CUDA error: an illegal memory access\n",
+)
+
+
+def generate_flood(path: Path, size_bytes: int) -> int:
+    """Keyword-dense flood, then the OOM traceback; return the OOM's line number."""
+    lines = 0
+    with open(path, "wb", buffering=1 << 22) as fh:
+        written, i = 0, 0
+        while written < size_bytes:
+            block = b"".join(FLOOD_LINES[(i + k) % 3] % (i + k) for k in range(3000))
+            i += 3000
+            fh.write(block)
+            written += len(block)
+            lines += 3000
+        fh.write(OOM_TAIL)
+    return lines + 6
+
+
 def _peak_rss_kib() -> int:
     """This process's peak RSS. VmHWM belongs to the exec'd image only; getrusage() would
     also count the pages of the forked parent before exec."""
@@ -162,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mb", type=int, default=1024, help="log size to generate (default 1024 = 1 GB)")
     ap.add_argument("--dir", default=None, help="where to write the log (default: the system temp dir; never the repo)")
     ap.add_argument("--keep", action="store_true", help="keep the generated log")
+    ap.add_argument("--flood", action="store_true", help="a keyword-dense flood instead of a training log")
     ap.add_argument("--repeat", type=int, default=2, help="timed runs of each tool; the best is reported")
     ap.add_argument("--child", choices=["diagnose", "import"], help=argparse.SUPPRESS)
     ap.add_argument("path", nargs="?", help=argparse.SUPPRESS)
@@ -184,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     log = workdir / "train.log"
     try:
         t0 = time.perf_counter()
-        oom_line = generate(log, a.size_mb * 1024 * 1024)
+        oom_line = (generate_flood if a.flood else generate)(log, a.size_mb * 1024 * 1024)
         size = log.stat().st_size
         print(f"generated {size / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s: {log} (OOM at line {oom_line})")
         with open(log, "rb") as fh:  # warm the page cache for both tools alike

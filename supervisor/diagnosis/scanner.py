@@ -51,6 +51,9 @@ TAIL_PENDING_BYTES = 8 << 20  # bytes of recent chunks kept by reference for the
 TB_GAP = 6  # lines from a traceback's last frame to the exception line ending it (code, carets)
 EXC_MESSAGE_LINES = 8  # lines after a closing exception that still belong to its message
 SAMPLE_MAX_BYTES = 4 << 20  # a printed sample block longer than this is ended by force
+SHAPES = 4096  # remembered shapes of lines that can no longer change the verdict
+SHAPE_LINE = 1024  # longer candidate lines are always read
+_DIGITS = b"0123456789"
 NUMERIC_RUN = 3  # consecutive logged steps with a non-finite or exactly-zero loss that stop the attempt
 # The trainer's logged dicts: {'loss': nan, 'grad_norm': inf, 'learning_rate': 1e-05, 'epoch': 0.1}
 _LOGGED_LOSS_RE = re.compile(r"""^\{['"]loss['"]:\s*(?:np\.float\d+\()?([-+\w.]+)""")
@@ -204,6 +207,12 @@ class LogScanner:
         self.internal_errors = 0  # lines the scanner failed on (skipped; never raised to the caller)
         self._numeric_run: list[tuple[int, str, str]] = []  # (line, text, what) of consecutive bad logged steps
         self._numeric_fired = False
+        # Shapes (digits removed) of candidate lines that matched only rules whose evidence is
+        # already full, outside any traceback: the same shape again is skipped without decoding,
+        # so a keyword flood ("[rank0]: Error: sample 123 skipped" x 10^6) costs a dict lookup a line.
+        self._shapes: set[bytes] = set()
+        self._cacheable = False
+        self._exc_until = 0  # last line that may still belong to a closing exception's message
 
     # ------------------------------------------------------------------ API
     @property
@@ -422,6 +431,19 @@ class LogScanner:
         if self._line_key[0] != line_no:
             self._line_key = (line_no, set())
         window = buf[ws:we]
+        shape = None
+        if we - ws <= SHAPE_LINE and ws == ls:
+            shape = window.translate(None, _DIGITS)
+            if shape in self._shapes and not self._tb_at and line_no > self._exc_until:
+                return
+        self._cacheable = shape is not None
+        self._window_inner(window, buf, ls, line_no, fatal)
+        if self._cacheable and shape is not None:
+            if len(self._shapes) >= SHAPES:
+                self._shapes.clear()
+            self._shapes.add(shape)
+
+    def _window_inner(self, window: bytes, buf: bytes, ls: int, line_no: int, fatal: list[Evidence]) -> None:
         pieces = window.split(b"\r") if b"\r" in window else (window,)
         for piece in pieces:
             # Only the \r-pieces that hold a keyword are decoded (tqdm redraws are not).
@@ -442,6 +464,8 @@ class LogScanner:
     def _handle_segment(self, raw: str, line_no: int, buf: bytes, ls: int, fatal: list[Evidence]) -> None:
         seg = split_prefix(raw)
         t = seg.text
+        if 'File "' in t or "Traceback" in t or (t.startswith("{") and "loss" in t) or _MARKER_GATE.search(t):
+            self._cacheable = False
         if 'File "' in t:
             fm = FRAME_RE.search(t)
             if fm:
@@ -513,6 +537,8 @@ class LogScanner:
             at = self._tb_at.pop(key, None)
             if at is not None and 0 <= line_no - at <= TB_GAP:
                 self._exc_at[seg.rank] = line_no
+                self._exc_until = max(self._exc_until, line_no + EXC_MESSAGE_LINES)
+                self._cacheable = False
                 return True
         at = self._exc_at.get(seg.rank)
         if at is None and seg.rank is not None:
@@ -597,6 +623,9 @@ class LogScanner:
         kept = self._kept.setdefault(hit.rule, [])
         if len(kept) < self.max_evidence_per_rule:
             kept.append(f)
+            self._cacheable = False
+        if structural:
+            self._cacheable = False
         self._latest[hit.rule] = f
         if hit.fatal and hit.tier != HINT and structural:
             fatal.append(f.evidence())

@@ -1,0 +1,214 @@
+"""Evidence you can trust: structural findings decide, printed text only hints (issue 10)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from supervisor.diagnosis import LogScanner, diagnose_bytes
+from supervisor.models import Category, ExitRecord, HostEvidence
+from tests.diagnosis.cases import fixture_cases, load_case
+
+GIB = 2**30
+
+
+def tb(line: bytes, rank: int | None = None) -> bytes:
+    p = b"[rank%d]: " % rank if rank is not None else b""
+    return (p + b"Traceback (most recent call last):\n"
+            + p + b'  File "/x/transformers/trainer.py", line 3745, in training_step\n'
+            + p + b"    self.accelerator.backward(loss, **kwargs)\n" + line + b"\n")
+
+
+def sample_block(text: bytes) -> bytes:
+    """What LLaMA-Factory 0.9.5's SupervisedDatasetProcessor.print_data_example prints, then its next log line."""
+    return (b"training example:\ninput_ids:\n[151644, 8948, 198, 2610, 525]\ninputs:\n<|im_start|>user\n" + text
+            + b"<|im_end|>\nlabel_ids:\n[-100, -100, 2610, 525]\nlabels:\n" + text + b"<|im_end|>\n"
+            + b"[INFO|2026-11-28 23:10:05] llamafactory.model.model_utils.kv_cache:143 >> KV cache is disabled during training.\n")
+
+
+ILLEGAL = tb(b"RuntimeError: CUDA error: an illegal memory access was encountered")
+HEALTHY = (b"[INFO|trainer.py:2519] 2026-11-28 23:12:10,512 >> ***** Running training *****\n"
+           b"  Total optimization steps = 100\n"
+           + b"".join(b"\r %d%%|#   | %d/100 [00:10<00:10,  5.00it/s]" % (i, i) for i in range(1, 40)) + b"\n"
+           b"{'loss': 1.2, 'grad_norm': 0.3, 'learning_rate': 1e-05, 'epoch': 0.1}\n")
+OOM = (b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+       b"79.14 GiB of which 1.00 GiB is free. Including non-PyTorch memory, this process has 8.00 GiB memory in use. "
+       b"Of the allocated memory 6.50 GiB is allocated by PyTorch, and 512.00 MiB is reserved by PyTorch but unallocated.")
+
+
+def test_a_printed_sample_with_a_device_fault_traceback_never_tears_down_a_healthy_job():
+    s = LogScanner()
+    assert s.feed(sample_block(ILLEGAL)) == []
+    assert s.feed(HEALTHY) == []
+    d = s.finish(ExitRecord(returncode=1))
+    assert d.category is not Category.DEVICE_FAULT, d.summary
+    assert not any(e.rule == "illegal_memory_access" for e in d.evidence)
+    assert s.finish(ExitRecord(returncode=0)).category is Category.SUCCESS
+
+
+def test_a_sample_saying_disk_full_then_a_real_oom_traceback_is_a_gpu_oom():
+    log = sample_block(b"OSError: [Errno 28] No space left on device\n") + HEALTHY + tb(OOM)
+    s = LogScanner()
+    assert [e.rule for e in s.feed(log)] == ["torch_oom"]
+    d = s.finish(ExitRecord(returncode=1))
+    assert (d.category, d.strength) == (Category.GPU_OOM, "structural")
+    assert not any(e.rule == "no_space" for e in d.evidence)
+
+
+def test_an_exception_line_outside_a_traceback_is_a_hint_that_never_ends_or_pauses_a_job():
+    # A dataset line printed by the job (no traceback above it): disk_full would pause the queue.
+    log = HEALTHY + b"OSError: [Errno 28] No space left on device\n"
+    s = LogScanner()
+    assert s.feed(log) == []
+    d = s.finish(ExitRecord(returncode=1))
+    assert d.strength == "hint"
+    assert d.category is Category.CRASH_OTHER and d.subkind == "no_space", d
+
+
+def test_the_exception_that_ends_the_last_traceback_wins_over_an_earlier_line():
+    log = (HEALTHY + b"[WARNING|x] sample 3: OSError: [Errno 28] No space left on device\n" + tb(OOM))
+    d = diagnose_bytes(log, ExitRecord(1))
+    assert (d.category, d.strength) == (Category.GPU_OOM, "structural")
+
+
+def test_disk_full_needs_statvfs_to_agree_when_it_was_measured():
+    log = tb(b"OSError: [Errno 28] No space left on device")
+    roomy = diagnose_bytes(log, ExitRecord(1), HostEvidence(free_bytes={"/out": 500 * GIB}))
+    assert (roomy.category, roomy.strength) == (Category.CRASH_OTHER, "hint"), roomy
+    assert "statvfs disagrees" in roomy.summary
+    full = diagnose_bytes(log, ExitRecord(1), HostEvidence(free_bytes={"/out": 10 * 2**20, "/state": 500 * GIB}))
+    assert (full.category, full.strength) == (Category.DISK_FULL, "structural")
+    assert "/out has 10.00 MiB free" in full.summary
+    assert diagnose_bytes(log, ExitRecord(1)).category is Category.DISK_FULL  # not measured: the exception decides
+
+
+def test_a_log_line_the_scanner_used_to_choke_on_never_raises():
+    s = LogScanner()
+    s.feed(b"[INFO|trainer.py:2527] >>   Total optimization steps = ,\n  Total optimization steps = ,,\n")
+    assert s.total_steps is None
+    d = s.finish(ExitRecord(1))
+    assert d.category is Category.UNKNOWN
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from([
+    b"  Total optimization steps = ", b",", b"1", b"\n", b"Saving model checkpoint to x/checkpoint-", b"step=",
+    b", skipped=", b"OVERFLOW! Attempted loss scale: ", b"{'loss': ", b"nan", b"'grad_norm': ", b"}",
+    b"Currently training with a batch size of: ", b"rank: ", b" (local_rank", b"training example:\n",
+    b"[INFO|", b"input_ids:\n", b"Traceback (most recent call last):\n", b'  File "a", line 1, in f\n',
+    b"RuntimeError: x", b"99999999999999999999999999", b"\xff", b"\r",
+]), max_size=80).map(b"".join))
+def test_marker_shaped_garbage_never_raises(data):
+    s = LogScanner()
+    for i in range(0, len(data), 7):
+        s.feed(data[i:i + 7])
+    s.finish(ExitRecord(1))
+    assert s.internal_errors == 0  # no line had to be skipped by the safety net either
+
+
+def _comparable(d):
+    x = d.to_dict()
+    x.pop("summary")
+    x["evidence"] = [(e["rule"], e["text"]) for e in x["evidence"] if e["rule"] != "tail"]
+    return x
+
+
+SAMPLE_TEXT = st.lists(st.sampled_from([
+    ILLEGAL, tb(OOM, 3), b"OSError: [Errno 28] No space left on device\n", b"Memory access fault by GPU node-2\n",
+    b"{'loss': nan, 'grad_norm': nan}\n" * 3, b"HIP out of memory\n", b"Killed\n", b"exitcode  : -9 (pid: 1)\n",
+    b"ValueError: Some keys are not used by the HfArgumentParser: ['a']\n", b"  Total optimization steps = 5\n",
+    b" 50%|#  | 5/10 [00:01<00:01, 5.00it/s]\n", b"NCCL error\n", b"ROCm gfx942 MI300X\n", b"plain words\n",
+]), min_size=1, max_size=6).map(b"".join)
+CASES = fixture_cases()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(CASES), text=SAMPLE_TEXT)
+def test_text_in_a_printed_sample_never_changes_the_verdict(case, text):
+    log, _side, exit, host = load_case(case)
+    plain = diagnose_bytes(log, exit, host)
+    with_sample = diagnose_bytes(sample_block(text) + log, exit, host)
+    assert _comparable(with_sample) == _comparable(plain)
+
+
+def test_launch_failure_is_could_not_start():
+    d = diagnose_bytes(b"", ExitRecord(returncode=127, launch_error="cannot start 'llamafactory-cli' in '/nope': "
+                                                                   "[Errno 2] No such file or directory"))
+    assert d.category is Category.CONFIG_ERROR and d.subkind == "launch_failed"
+    assert d.summary.startswith("could not start: cannot start 'llamafactory-cli'")
+    log = b"oom-supervisor: cannot start 'python' in '/tmp/x': embedded null byte\n"
+    d2 = diagnose_bytes(log, ExitRecord(returncode=127))
+    assert d2.category is Category.CONFIG_ERROR and "could not start" in d2.summary
+    assert d2.evidence[0].line_no == 1
+
+
+def test_memory_held_by_others_and_reserved_unallocated_are_numbers():
+    d = diagnose_bytes(tb(OOM), ExitRecord(1))
+    n = d.numbers
+    assert n["held_by_others"] == int((79.14 - 1.00 - 8.00) * GIB)
+    assert n["reserved_unallocated"] == 512 * 2**20
+
+
+def test_fingerprint_is_stable_across_attempts_and_tells_failures_apart():
+    a = diagnose_bytes(HEALTHY + tb(b"[rank3]: " + OOM, 3), ExitRecord(1))
+    other = OOM.replace(b"2.00 GiB", b"1.00 GiB").replace(b"79.14", b"191.98")
+    b = diagnose_bytes(HEALTHY * 2 + tb(b"[rank1]: " + other, 1), ExitRecord(1))
+    assert a.fingerprint and a.fingerprint == b.fingerprint
+    c = diagnose_bytes(tb(b"KeyError: 'labels'"), ExitRecord(1))
+    d = diagnose_bytes(tb(b"KeyError: 'input_ids'"), ExitRecord(1))
+    assert c.fingerprint != a.fingerprint and c.fingerprint != d.fingerprint
+    e = diagnose_bytes(tb(b'FileNotFoundError: [Errno 2] No such file: "/data/run7/x_0x7f3a.json"'), ExitRecord(1))
+    f = diagnose_bytes(tb(b'FileNotFoundError: [Errno 2] No such file: "/data/run8/x_0x1b2c.json"'), ExitRecord(1))
+    assert e.fingerprint == f.fingerprint
+
+
+def _logged(loss, grad="0.5"):
+    return b"{'loss': %s, 'grad_norm': %s, 'learning_rate': 1e-05, 'epoch': 0.1}\n" % (loss, grad.encode())
+
+
+def test_numeric_failure_is_watched_live_after_three_logged_steps():
+    s = LogScanner()
+    assert s.feed(HEALTHY + _logged(b"nan") + _logged(b"nan")) == []
+    fatal = s.feed(_logged(b"nan"))
+    assert [e.rule for e in fatal] == ["numeric_run"]
+    assert s.feed(_logged(b"nan")) == []  # once
+    d = s.finish(ExitRecord(returncode=-15, stopped_by="fatal_signal"))
+    assert (d.category, d.subkind, d.strength) == (Category.NUMERIC, "nan_loss", "structural")
+    assert "3 logged steps in a row" in d.summary
+
+
+def test_grad_norm_inf_and_zero_loss_runs():
+    s = LogScanner()
+    fatal = s.feed(b"".join(_logged(b"1.5", "inf") for _ in range(3)))
+    assert [e.rule for e in fatal] == ["numeric_run"]
+    assert s.finish(ExitRecord(1)).subkind == "nonfinite_grad_norm"
+    z = LogScanner()
+    assert [e.rule for e in z.feed(_logged(b"0.0") * 3)] == ["numeric_run"]
+    assert z.finish(ExitRecord(1)).subkind == "zero_loss"
+
+
+def test_an_interrupted_run_of_bad_steps_and_early_loss_scale_calibration_do_not_trigger():
+    s = LogScanner()
+    calib = b"".join(b"[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: %d, reducing to %d\n"
+                     % (2**k, 2**(k - 1)) for k in range(16, 8, -1))
+    log = calib + _logged(b"nan") + _logged(b"nan") + _logged(b"1.2") + _logged(b"nan") + _logged(b"inf")
+    assert s.feed(log) == []
+    assert s.finish(ExitRecord(0)).category is Category.SUCCESS
+
+
+def test_hints_never_decide_a_terminal_category():
+    for line in (b"RuntimeError: CUDA error: an illegal memory access was encountered",
+                 b"ValueError: Some keys are not used by the HfArgumentParser: ['x']",
+                 b"RuntimeError: Function 'LogSoftmaxBackward0' returned nan values in its 0th output."):
+        d = diagnose_bytes(line + b"\n", ExitRecord(1))
+        assert d.strength == "hint" and d.category not in (
+            Category.DEVICE_FAULT, Category.DISK_FULL, Category.NUMERIC), (line, d)
+        s = diagnose_bytes(tb(line), ExitRecord(1))
+        assert s.strength == "structural" and s.category is not Category.CRASH_OTHER, (line, s)
+
+
+def test_diagnosis_round_trips_with_the_new_fields():
+    d = diagnose_bytes(tb(OOM), ExitRecord(1))
+    assert dataclasses.replace(d) == type(d).from_dict(d.to_dict())
