@@ -22,7 +22,24 @@ memory; throughput from 6*P FLOPs/token at a fixed MFU scaled by micro-batch
 efficiency, +1/3 recompute with checkpointing, CPU Adam time for optimizer
 offload and PCIe weight traffic for parameter offload.
 
-    python bench/bench_policy.py [--policy default] [--json]
+Scenarios (each prints the same figures):
+
+* `base`: one GPU, 512 GiB host RAM (the original grid);
+* `world8`: no `gpus:` on an 8-GPU box (LLaMA-Factory runs torchrun on all 8); a remedy whose
+  NPROC_PER_NODE launches another world size changes the effective batch: counted as a failure;
+* `ds_explicit`: the job's DeepSpeed JSON (ZeRO-0) spells out train_micro_batch_size_per_gpu,
+  gradient_accumulation_steps and train_batch_size; a rendered pair that disagrees is refused by
+  transformers at start-up (config_error), as `fill_match` does;
+* `host128`: 128 GiB host RAM: offload that does not fit the host dies in a train step;
+* `foreign`: jobs whose own config FITS, on a GPU where another process holds 60% for the first
+  two attempts; the best outcome is the user's config, unchanged, after waiting.
+
+Host memory of offload is DeepSpeed's accounting (fp32 master weights, gradients and Adam state,
+16 B per trainable parameter, + 2 B per offloaded 16-bit weight) x 1.35 for pinned buffers: ~0.9
+of DeepSpeed's own 1.5x estimate, consistent with the reported host OOM of a job estimated at
+~156 GiB on a 128 GiB box.
+
+    python bench/bench_policy.py [--policy default] [--json] [--scenario NAME]
 """
 
 from __future__ import annotations
@@ -70,7 +87,6 @@ MODELS = {  # name: config.json numbers (Qwen2.5 / Llama-3 shapes)
 }
 SEQ_LENS = (1024, 2048, 4096, 8192)
 GPU_GIB = (24, 48, 80, 192)
-HOST_RAM = 512 * GiB
 OVERHEAD = int(1.5 * GiB)  # context, cuBLAS/hipBLAS workspaces, NCCL buffers
 FRAG_SHARE = 0.10  # reserved-but-unusable share of the peak, until the allocator is tuned
 LORA_SHARE = 0.008
@@ -90,6 +106,14 @@ class Case:
     fragmented: bool
     micro: int = 8
     accum: int = 2
+    world: int = 1  # GPUs LLaMA-Factory launches on (no `gpus:` in the job)
+    host_gib: int = 512
+    ds_explicit: bool = False  # a DeepSpeed JSON with explicit batch fields
+    foreign_attempts: int = 0  # attempts during which another process holds 60% of the GPU
+
+    @property
+    def host_ram(self) -> int:
+        return self.host_gib * GiB
 
 
 @dataclass(frozen=True)
@@ -116,12 +140,13 @@ def true_memory(case: Case, cfg: Config) -> tuple[int, int, int, int]:
     p, lil = shape.params, shape.largest_layer_params
     t = 1.0 if case.finetuning == "full" else LORA_SHARE
     trainable, frozen = p * t, p * (1 - t)
+    w = case.world
     if cfg.zero == 0:
         states, host, weights = 16 * trainable + 2 * frozen, 0, 2 * p
     elif cfg.zero == 1:
-        states, host, weights = 2 * p + 4 * lil + 0.6 * GiB, 12 * trainable * 1.3, 2 * p
+        states, host, weights = 2 * p / w + 4 * lil + 0.6 * GiB, 16 * trainable * 1.35, 2 * p / w
     else:
-        states, host, weights = 4 * lil + 1.2 * GiB, (12 * trainable + 2 * p) * 1.3, 4 * lil
+        states, host, weights = 4 * lil + 1.2 * GiB, (16 * trainable + 2 * p) * 1.35, 4 * lil
     seq = cfg.seq or case.seq
     sbh = cfg.micro * seq * shape.hidden_size
     layers = shape.num_layers
@@ -154,14 +179,20 @@ def throughput(case: Case, cfg: Config) -> float:
     return tokens * cfg.accum / step
 
 
-def fits(case: Case, cfg: Config) -> tuple[bool, Diagnosis | None]:
-    cap = case.gpu_gib * GiB
+def fits(case: Case, cfg: Config, held_by_others: int = 0) -> tuple[bool, Diagnosis | None]:
+    cap = case.gpu_gib * GiB - held_by_others
     peak, host, weights, largest = true_memory(case, cfg)
-    if host > HOST_RAM:
+    if host > case.host_ram:
         return False, Diagnosis(Category.HOST_OOM, "DefaultCPUAllocator: can't allocate memory", vendor="cpu",
-                                phase=Phase.MODEL_LOAD)
+                                phase=Phase.TRAIN_STEP if cfg.zero == 1 else Phase.MODEL_LOAD)
     if peak <= cap:
         return True, None
+    if held_by_others:
+        free = int(0.3 * GiB)
+        return False, Diagnosis(Category.GPU_OOM, "CUDA out of memory", vendor="cuda", phase=Phase.MODEL_LOAD,
+                                numbers={"total_capacity": case.gpu_gib * GiB, "free": free,
+                                         "tried_to_allocate": min(largest, peak - cap + free),
+                                         "held_by_others": held_by_others})
     free = int(0.3 * GiB)
     phase = Phase.MODEL_LOAD if weights + OVERHEAD > cap else Phase.TRAIN_STEP
     frag = case.fragmented and not cfg.allocator and peak / (1 + FRAG_SHARE) <= cap
@@ -192,28 +223,68 @@ def best_feasible(case: Case) -> tuple[Config, float] | None:
     return best
 
 
+def user_deepspeed(case: Case) -> dict | None:
+    if not case.ds_explicit:
+        return None
+    return {"train_micro_batch_size_per_gpu": case.micro, "gradient_accumulation_steps": case.accum,
+            "train_batch_size": case.micro * case.accum * case.world, "zero_optimization": {"stage": 0}}
+
+
+def refused_pair(case: Case, ov: Overrides, ctx: JobContext) -> str | None:
+    """What transformers' fill_match would refuse in the launched YAML + DeepSpeed JSON (the
+    simulator's own copy of the rule, not the policy's validator)."""
+    ds = ov.deepspeed if ov.deepspeed is not None else user_deepspeed(case)
+    if not ds:
+        return None
+    v = view_of(ctx, ov)
+    want = {"train_micro_batch_size_per_gpu": v.micro, "gradient_accumulation_steps": v.accum,
+            "train_batch_size": v.micro * v.accum * case.world}
+    bad = [f"ds {k}={ds[k]} vs hf {want[k]}" for k in want if ds.get(k) not in (None, "auto") and ds[k] != want[k]]
+    return "; ".join(bad) or None
+
+
 def run_case(case: Case, policy) -> dict:
     shape = shape_from_config(MODELS[case.model])
     config = {"model_name_or_path": f"/models/{case.model}", "stage": "sft", "finetuning_type": case.finetuning,
               "per_device_train_batch_size": case.micro, "gradient_accumulation_steps": case.accum,
               "cutoff_len": case.seq, "bf16": True, "disable_gradient_checkpointing": not case.gc_on}
+    if case.ds_explicit:
+        config["deepspeed"] = "ds_z0_explicit.json"
     ctx = JobContext(id=1, name="sim", kind="llamafactory", config=config, world_size=1, max_attempts=10,
                      param_count=shape.params, largest_layer_params=shape.largest_layer_params,
-                     gpu_capacity_bytes=case.gpu_gib * GiB, host_ram_bytes=HOST_RAM,
+                     gpu_capacity_bytes=case.gpu_gib * GiB, host_ram_bytes=case.host_ram,
                      model_shape=None if NO_SHAPE else {"hidden_size": shape.hidden_size,
                                                         "num_layers": shape.num_layers,
                                                         "vocab_size": shape.vocab_size},
-                     torch_version="2.14.1", transformers_version="5.6.0")
+                     torch_version="2.14.1", transformers_version="5.6.0",
+                     deepspeed_config=user_deepspeed(case), visible_gpu_count=case.world)
     history: list[AttemptRecord] = []
     ov = Overrides()
     rungs: list[str] = []
     for n in range(1, 20):
         cfg = config_of(case, ov, ctx)
-        ok, diag = fits(case, cfg)
+        launched = int(ov.env.get("NPROC_PER_NODE", case.world))
+        if launched != case.world:
+            return {"fit": False, "failed_escalations": n - 1, "rungs": rungs, "world_changed": True,
+                    "reason": f"remedy launched {launched} ranks instead of {case.world}: effective batch changed"}
+        refused = refused_pair(case, ov, ctx)
+        held = int(0.6 * case.gpu_gib * GiB) if n <= case.foreign_attempts else 0
+        if refused:
+            diag = Diagnosis(Category.CONFIG_ERROR, f"Please correct the following DeepSpeed config values that "
+                                                    f"mismatch TrainingArguments values: {refused}")
+            ok = False
+        else:
+            ok, diag = fits(case, cfg, held)
         if ok:
-            return {"fit": True, "failed_escalations": n - 2, "config": cfg, "rungs": rungs}
+            # Attempts the other process's memory made fail are not the policy's failures.
+            failed = max(0, n - 1 - case.foreign_attempts) if case.foreign_attempts else n - 2
+            return {"fit": True, "failed_escalations": failed, "config": cfg, "rungs": rungs,
+                    "changed": bool(ov.rungs)}
         history.append(AttemptRecord(n, ov, diag, ExitRecord(1)))
         d = decide(ctx, history, diag, policy)
+        if d.kind == DecisionKind.RETRY:
+            rungs.append("retry")
+            continue
         if d.kind != DecisionKind.ESCALATE:
             return {"fit": False, "failed_escalations": n - 1, "reason": d.reason, "rungs": rungs}
         rungs.append(d.rung)
@@ -226,22 +297,33 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--policy", default="default")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--no-shape", action="store_true", help="withhold the model shape from the policy")
-    args = ap.parse_args(argv)
-    global NO_SHAPE
-    NO_SHAPE = args.no_shape
-    policy = load_policy(args.policy, search_dirs=[BUILTIN_POLICY_DIR])
-    results = []
+SCENARIOS = {
+    "base": {},
+    "world8": {"world": 8},
+    "ds_explicit": {"ds_explicit": True},
+    "host128": {"host_gib": 128},
+    "foreign": {"foreign_attempts": 2},
+}
+
+
+def cases_for(scenario: str):
+    extra = SCENARIOS[scenario]
     for model, seq, gpu, ft, gc_on, frag in itertools.product(MODELS, SEQ_LENS, GPU_GIB, ("full", "lora"),
                                                               (True, False), (False, True)):
-        case = Case(model, seq, gpu, ft, gc_on, frag)
-        if fits(case, Config(case.micro, case.accum, 1 if gc_on else 0, 0, False))[0]:
-            continue  # the user's config fits: nothing to remedy
+        case = Case(model, seq, gpu, ft, gc_on, frag, **extra)
+        user_fits = fits(case, Config(case.micro, case.accum, 1 if gc_on else 0, 0, False))[0]
+        # foreign: only jobs that fit on a free GPU; elsewhere: only jobs that need a remedy
+        if user_fits == (scenario == "foreign"):
+            yield case
+
+
+def summarise(scenario: str, policy) -> tuple[dict, list[dict]]:
+    results = []
+    for case in cases_for(scenario):
         best = best_feasible(case)
+        if scenario == "foreign":  # the job fits as it is: unchanged is the best outcome
+            user = Config(case.micro, case.accum, 1 if case.gc_on else 0, 0, False)
+            best = (user, throughput(case, user))
         r = run_case(case, policy)
         r.update(case=case, feasible=best is not None)
         if best and r["fit"]:
@@ -255,12 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     esc = [r["failed_escalations"] for r in fitted]
     ratios = [r["ratio"] for r in fitted]
     summary = {
+        "scenario": scenario,
         "policy": policy.name,
-        "cases_needing_a_remedy": len(results),
+        "cases": len(results),
         "feasible": len(feasible),
         "fitted": len(fitted),
+        "fit_rate": round(len(fitted) / len(feasible), 3) if feasible else None,
         "feasible_but_gave_up": len(missed),
         "infeasible_and_failed_honestly": infeasible_failed,
+        "world_size_changed": sum(1 for r in results if r.get("world_changed")),
+        "job_changed_though_it_fits": sum(1 for r in fitted if r.get("changed")) if scenario == "foreign" else None,
         "failed_escalations_median": statistics.median(esc) if esc else None,
         "failed_escalations_p90": pct(esc, 0.9) if esc else None,
         "failed_escalations_max": max(esc) if esc else None,
@@ -269,25 +355,47 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_vs_best_p10": round(pct(ratios, 0.1), 3) if ratios else None,
         "share_within_10pct_of_best": round(sum(r >= 0.9 for r in ratios) / len(ratios), 3) if ratios else None,
     }
+    return summary, results
+
+
+def _label(c: Case) -> str:
+    return f"{c.model} seq {c.seq} {c.gpu_gib} GiB {c.finetuning} gc={c.gc_on} frag={c.fragmented}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policy", default="default")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-shape", action="store_true", help="withhold the model shape from the policy")
+    ap.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    args = ap.parse_args(argv)
+    global NO_SHAPE
+    NO_SHAPE = args.no_shape
+    policy = load_policy(args.policy, search_dirs=[BUILTIN_POLICY_DIR])
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    out = {}
+    for name in names:
+        summary, results = summarise(name, policy)
+        out[name] = summary
+        if args.json:
+            continue
+        print(f"=== {name}")
+        for k, v in summary.items():
+            if v is not None:
+                print(f"{k:>34}: {v}")
+        fitted = [r for r in results if r["feasible"] and r["fit"]]
+        missed = [r for r in results if r["feasible"] and not r["fit"]]
+        print("worst throughput ratios:")
+        for r in sorted(fitted, key=lambda r: r["ratio"])[:3]:
+            print(f"  {_label(r['case'])}: {r['ratio']:.2f} via {r['rungs']} -> {r['config']} best {r['best']}")
+        print("most failed escalations:")
+        for r in sorted(fitted, key=lambda r: -r["failed_escalations"])[:3]:
+            print(f"  {_label(r['case'])}: {r['failed_escalations']} via {r['rungs']}")
+        for r in missed[:3]:
+            print(f"  GAVE UP: {_label(r['case'])}: {r['reason'][:300]}")
+        print()
     if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    for k, v in summary.items():
-        print(f"{k:>34}: {v}")
-    worst = sorted(fitted, key=lambda r: r["ratio"])[:5]
-    print("\nworst throughput ratios:")
-    for r in worst:
-        c = r["case"]
-        print(f"  {c.model} seq {c.seq} {c.gpu_gib} GiB {c.finetuning} gc={c.gc_on} frag={c.fragmented}: "
-              f"{r['ratio']:.2f} via {r['rungs']} -> {r['config']} best {r['best']}")
-    print("\nmost failed escalations:")
-    for r in sorted(fitted, key=lambda r: -r["failed_escalations"])[:5]:
-        c = r["case"]
-        print(f"  {c.model} seq {c.seq} {c.gpu_gib} GiB {c.finetuning} gc={c.gc_on} frag={c.fragmented}: "
-              f"{r['failed_escalations']} via {r['rungs']}")
-    for r in missed[:5]:
-        c = r["case"]
-        print(f"  GAVE UP: {c.model} seq {c.seq} {c.gpu_gib} GiB {c.finetuning} gc={c.gc_on}: {r['reason'][:300]}")
+        print(json.dumps(out if len(names) > 1 else out[names[0]], indent=2))
     return 0
 
 
