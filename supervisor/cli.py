@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .policy import plan
 
     plan.configure(p)
+
+    p = sub.add_parser("report", help="the morning report: an HTML page with plots and a Markdown summary")
+    _common(p)
+    p.add_argument("jobs", nargs="*", type=int, metavar="JOB", help="only these jobs (default: recent ones)")
+    p.add_argument("--since", default="12h", help="jobs active in this period (default 12h; ignored with JOB)")
+    p.add_argument("-o", "--output", type=Path, default=Path("oom-supervisor-report"), metavar="DIR",
+                   help="folder for report.html, report.md and the PNGs (default ./oom-supervisor-report)")
     return parser
 
 
@@ -459,10 +466,30 @@ def cmd_plan(args) -> int:
     return plan.run(args)
 
 
+def cmd_report(args) -> int:
+    from .jobspec import parse_duration
+    from .report import collect, write_report
+
+    try:
+        since = time.time() - parse_duration(args.since)
+    except ValueError as exc:
+        print(f"oom-supervisor: --since: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    cfg = _config(args)
+    store = _store(cfg)
+    for job_id in args.jobs:
+        _job_or_exit(store, job_id)
+    night = collect(store, cfg.state, args.jobs or None, since=None if args.jobs else since)
+    store.close()
+    html_path, md_path = write_report(night, args.output)
+    print(f"{html_path}\n{md_path}\n({len(night.jobs)} job(s))")
+    return EXIT_OK
+
+
 COMMANDS = {
     "daemon": cmd_daemon, "submit": cmd_submit, "status": cmd_status, "show": cmd_show,
     "logs": cmd_logs, "watch": cmd_watch, "cancel": cmd_cancel, "retry": cmd_retry,
-    "unpause": cmd_unpause, "explain": cmd_explain, "plan": cmd_plan,
+    "unpause": cmd_unpause, "explain": cmd_explain, "plan": cmd_plan, "report": cmd_report,
 }
 
 if __name__ == "__main__":
