@@ -213,6 +213,8 @@ class LogScanner:
         self._shapes: set[bytes] = set()
         self._cacheable = False
         self._exc_until = 0  # last line that may still belong to a closing exception's message
+        self._skipped: dict[bytes, tuple[int, bytes]] = {}  # shape -> its latest skipped line, read at state()
+        self._replaying = False
 
     # ------------------------------------------------------------------ API
     @property
@@ -286,7 +288,21 @@ class LogScanner:
             self._flushed = True
         return conclude(self.state(), exit, host)
 
+    def _replay_skipped(self) -> None:
+        """Read the latest line of each skipped shape, so every rule's latest finding is exact."""
+        pending, self._skipped = self._skipped, {}
+        self._replaying = True
+        try:
+            for line_no, window in sorted(pending.values(), key=lambda p: p[0]):
+                self._line_key = (line_no, set())
+                self._window_inner(window, window, 0, line_no, [])
+        except Exception:  # noqa: BLE001 - see feed()
+            self.internal_errors += 1
+        finally:
+            self._replaying = False
+
     def state(self) -> ScanState:
+        self._replay_skipped()
         self._materialize_tail()
         findings: dict[int, Finding] = {}
         for kept in self._kept.values():
@@ -435,12 +451,14 @@ class LogScanner:
         if we - ws <= SHAPE_LINE and ws == ls:
             shape = window.translate(None, _DIGITS)
             if shape in self._shapes and not self._tb_at and line_no > self._exc_until:
+                self._skipped[shape] = (line_no, window)  # its "latest" finding is read if asked for
                 return
         self._cacheable = shape is not None
         self._window_inner(window, buf, ls, line_no, fatal)
         if self._cacheable and shape is not None:
             if len(self._shapes) >= SHAPES:
                 self._shapes.clear()
+                self._replay_skipped()
             self._shapes.add(shape)
 
     def _window_inner(self, window: bytes, buf: bytes, ls: int, line_no: int, fatal: list[Evidence]) -> None:
@@ -464,6 +482,10 @@ class LogScanner:
     def _handle_segment(self, raw: str, line_no: int, buf: bytes, ls: int, fatal: list[Evidence]) -> None:
         seg = split_prefix(raw)
         t = seg.text
+        if self._replaying:  # a skipped line of a known shape: only its findings (as the latest), no state
+            for hit in classify(seg):
+                self._record(hit, seg, line_no, buf, ls, [], False)
+            return
         if 'File "' in t or "Traceback" in t or (t.startswith("{") and "loss" in t) or _MARKER_GATE.search(t):
             self._cacheable = False
         if 'File "' in t:
