@@ -26,6 +26,8 @@ class Category(StrEnum):
     NUMERIC = "numeric"
     DEVICE_FAULT = "device_fault"
     CRASH_OTHER = "crash_other"
+    # The job's surroundings failed for a while (hub/DNS/connection errors): retry, not the job's fault.
+    ENVIRONMENT = "environment"
     SUCCESS = "success"
     UNKNOWN = "unknown"
 

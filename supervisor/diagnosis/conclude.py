@@ -218,6 +218,9 @@ def _summary(root: _Root, nums: dict[str, Any], frag: bool, state: ScanState, ve
         s = f"Configuration error [{words}] ({line}): {root.text[:300]}"
     elif cat is Category.DISK_FULL:
         s = f"Disk full or write failed{where} [{words}] ({line}): {root.text[:200]}"
+    elif cat is Category.ENVIRONMENT:
+        s = (f"Transient environment failure{where} [{words}] ({line}): {root.text[:300]}"
+             " (the network or the model hub; a retry later is expected to work)")
     elif cat is Category.NUMERIC:
         s = f"Numerical failure{where} [{words}] ({line}): {root.text[:200]}"
     else:

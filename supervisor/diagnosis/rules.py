@@ -278,6 +278,16 @@ _SOCKET_RE = re.compile(
     r"|(?:c10d|socket|Gloo|NCCL|store).*(?:Connection reset by peer|Connection refused)"
 )
 
+# --- environment (transient: the network, the hub, DNS) -------------------
+_ENV_RE = re.compile(
+    r"Temporary failure in name resolution|NameResolutionError|Failed to resolve|Name or service not known"
+    r"|ReadTimeoutError|ConnectTimeoutError|MaxRetryError|ConnectionError|ConnectionResetError|Connection aborted"
+    r"|We couldn't connect to '?https?://|couldn't connect to|Network is unreachable|HTTP Error 50[234]|50[234] Server Error"
+    r"|check your connection|Please check your connection|Internet connection|SSLError|ProxyError"
+)
+# LocalEntryNotFoundError under HF_HUB_OFFLINE (or local_files_only) means "not cached": a config error.
+_OFFLINE_RE = re.compile(r"outgoing traffic has been disabled|HF_HUB_OFFLINE|local_files_only=True|offline mode")
+
 # --- config ---------------------------------------------------------------
 _CONFIG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("unknown_keys", re.compile(r"Some keys are not used by the HfArgumentParser: (?P<detail>\[.*?\])")),
@@ -401,6 +411,9 @@ _RULE_TRIGGERS = (
     "NaN", "non-finite", "Loss is", "exitcode", "SIGKILL", "Signal", "killed by signal", "Killed",
     "SIGSEGV", "Segmentation fault", "Aborted", "SIGABRT", "terminate called", "us error", "SIGBUS",
     "shared memory", "device-side assert", "ChildFailedError", "cannot start",
+    "name resolution", "NameResolution", "Failed to resolve", "service not known", "TimeoutError", "MaxRetryError",
+    "ConnectionError", "Connection aborted", "connect to", "unreachable", "HTTP Error 50", "Server Error",
+    "check your connection", "Internet connection", "SSLError", "ProxyError",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 
@@ -503,6 +516,11 @@ def classify(seg: Segment) -> list[Hit]:
         hits.append(Hit("nccl_error", Category.COMM_FAILURE, COMM, sub, exc=seg.exc))
     elif _SOCKET_RE.search(t):
         hits.append(Hit("rendezvous", Category.COMM_FAILURE, COMM, "rendezvous", exc=seg.exc))
+
+    # Transient environment failures, before config: a hub lookup that failed for want of a network.
+    if _ENV_RE.search(t) and not _OFFLINE_RE.search(t) and (exc_form or "LocalEntryNotFoundError" in t):
+        hits.append(Hit("environment", Category.ENVIRONMENT, ROOT, "network", exc=seg.exc))
+        return hits
 
     # Configuration.
     for name, rx in _CONFIG_RULES:

@@ -20,7 +20,7 @@ def test_fixture_set_covers_every_category():
     seen = {load_case(c)[1]["expect"]["category"] for c in CASES}
     assert seen == {
         "gpu_oom", "host_oom", "comm_failure", "hang", "config_error", "disk_full",
-        "numeric", "device_fault", "crash_other", "success", "unknown",
+        "numeric", "device_fault", "crash_other", "success", "unknown", "environment",
     }
     vendors = {load_case(c)[1]["expect"].get("vendor") for c in CASES}
     assert {"hip", "cuda", "cpu"} <= vendors
@@ -35,7 +35,7 @@ def test_fixture_is_classified_as_labeled(case):
     d = scanner.finish(exit, host)
     got = d.to_dict()
     assert got["category"] == want["category"], d.summary
-    for key in ("subkind", "vendor", "phase", "rank", "fragmentation"):
+    for key in ("subkind", "vendor", "phase", "rank", "fragmentation", "strength"):
         if key in want:
             assert got[key] == want[key], f"{key}: {got[key]!r} != {want[key]!r} ({d.summary})"
     for key, value in (want.get("numbers") or {}).items():
