@@ -98,6 +98,21 @@ def validate_config(config: Mapping[str, Any], *, workdir: Path, schema: str | N
     return problems
 
 
+def config_warnings(config: Mapping[str, Any]) -> list[Problem]:
+    """What a valid config costs the supervisor's recovery, said at submit (and in `plan`).
+
+    `save_only_model: true` makes the Trainer write weights without optimizer, scheduler and RNG
+    state, so no checkpoint can be resumed exactly: every failure restarts from step 0.
+    """
+    out: list[Problem] = []
+    if config.get("save_only_model") is True:
+        out.append(Problem("save_only_model",
+                           "true: checkpoints hold the weights only (no optimizer, scheduler or RNG state), "
+                           "so none can be resumed and every failure restarts the run from step 0; "
+                           "set it to false to let the supervisor resume", "save_only_model: false"))
+    return out
+
+
 def _unknown_key(key: str, fields: Mapping[str, Any], ds_top: Any) -> Problem:
     if key in _KNOWN_MISTAKES:
         message, suggestion = _KNOWN_MISTAKES[key]

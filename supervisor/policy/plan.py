@@ -150,17 +150,22 @@ def run(args: argparse.Namespace) -> int:
     model = spec.config.get("model_name_or_path")
     shape = read_model_shape(spec.resolve(model)) if model else None
     steps = build_plan(spec, policy, shape, args.gpu_memory)
+    from ..llamafactory.validate import config_warnings
+
+    warnings = [str(w) for w in config_warnings(spec.config)] if spec.kind == "llamafactory" else []
     extra = None
     if args.deepspeed_estimator and shape:
         extra = deepspeed_estimates(shape.params, shape.largest_layer_params, spec.world_size)
     if args.json:
         print(json.dumps({"job": spec.name, "policy": policy.name,
-                          "params": shape.params if shape else None, "steps": steps,
+                          "params": shape.params if shape else None, "steps": steps, "warnings": warnings,
                           "deepspeed_estimates": extra}, indent=2, default=str))
         return 0
     head = f"{spec.name}: policy {policy.name!r}"
     head += f", {_count(shape.params)} parameters" if shape else " (model size unknown: no local config.json)"
     print(head)
+    for w in warnings:
+        print(f"warning: {w}")
     for s in steps:
         est = s["estimate"]
         mem = (f"  [GPU ~{est['total_gpu_gib']} GiB = states {est['model_states_gpu_gib']} + activations "

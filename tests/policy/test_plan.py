@@ -63,3 +63,18 @@ def test_plan_without_gpu_size_climbs_the_ladder_plainly(tmp_path, capsys):
     rungs = [s["rung"] for s in json.loads(out.out)["steps"][1:] if s["rung"]]
     assert rungs[:3] == ["micro_batch", "micro_batch", "grad_checkpointing"]
     assert "zero3_offload_optimizer" in rungs
+
+
+def test_plan_warns_that_save_only_model_restarts_every_failure_from_zero(tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "model").mkdir()
+    (tmp_path / "a" / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (tmp_path / "a" / "job.yaml").write_text(JOB + "save_only_model: true\n")
+    parser = argparse.ArgumentParser()
+    plan.configure(parser)
+    assert plan.run(parser.parse_args([str(tmp_path / "a" / "job.yaml")])) == 0
+    out = capsys.readouterr().out
+    assert "save_only_model" in out and "step 0" in out
+    assert plan.run(parser.parse_args([str(tmp_path / "a" / "job.yaml"), "--json"])) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert any("save_only_model" in w for w in doc["warnings"])

@@ -137,3 +137,15 @@ def test_validation_does_not_import_torch():
             "import supervisor.policy; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_save_only_model_is_a_warning_not_a_problem(tmp_path):
+    from supervisor.llamafactory.validate import config_warnings, validate_config
+
+    cfg = {"model_name_or_path": "m", "stage": "sft", "do_train": True, "output_dir": "o",
+           "save_only_model": True}
+    assert not [p for p in validate_config(cfg, workdir=tmp_path) if p.key == "save_only_model"]
+    warnings = config_warnings(cfg)
+    assert [w.key for w in warnings] == ["save_only_model"]
+    assert "step 0" in warnings[0].message and "optimizer" in warnings[0].message
+    assert config_warnings({**cfg, "save_only_model": False}) == []
