@@ -1,0 +1,222 @@
+"""Targeted reproductions of the ways the daemon lost control of a training (issue 9).
+
+Each runs the real daemon process over the exclusive workload (tests/jobs/exclusive_job.py)
+and is fast (seconds). The record is read straight from SQLite (read-only) so a race is
+observed at the millisecond, not at the speed of `status`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from supervisor import cli
+from supervisor.limits import detect_cgroup
+from tests.conftest import drop
+
+from .harness import TERMINAL, alive, exclusive_job, explain, kill_all, shims, trainings
+
+
+def _why(chaos, job: int = 1) -> str:
+    return f"\njob {job} events:\n{explain(chaos.rec, job)}\ndaemon log tail:\n" + (
+        (chaos.root / "daemon.log").read_text(errors="replace")[-2000:])
+
+
+def _log(chaos, job: int = 1, attempt: int = 1):
+    return chaos.state / "jobs" / str(job) / f"attempt-{attempt}" / "output.log"
+
+
+def _diagnosis(chaos, job: int = 1, attempt: int = 1) -> dict:
+    row = chaos.rec.attempts(job)[attempt - 1]
+    return json.loads(row["diagnosis"]) if row.get("diagnosis") else {}
+
+
+def _in_log(chaos, text: str, job: int = 1, attempt: int = 1) -> bool:
+    try:
+        return text in _log(chaos, job, attempt).read_text(errors="replace")
+    except FileNotFoundError:
+        return False
+
+
+# --- a. daemon and shim killed while the training lives --------------------------------------------
+@pytest.mark.parametrize("memory_cgroup", [False, True], ids=["no-cgroup", "memory-cgroup"])
+def test_restart_never_starts_attempt_2_beside_a_live_attempt_1(chaos, memory_cgroup):
+    """kill -9 the daemon, then the attempt's shim; the training lives on, reparented.
+    The restarted daemon must not start attempt 2 while it lives (TWICE stays absent)."""
+    if memory_cgroup and (os.geteuid() != 0 or detect_cgroup() is None):
+        pytest.skip("needs root and a writable memory cgroup")
+    d = chaos.start(cgroups="auto") if memory_cgroup else chaos.start()
+    out = chaos.out("a")
+    sup = {"host_memory_limit": "2GiB"} if memory_cgroup else {}
+    drop(chaos.spool, "a.yaml", exclusive_job(chaos.work, out, "--steps=80", "--interval=0.1", name="a", **sup))
+    chaos.rec.wait(lambda: (out / "starts").exists() and len(trainings(chaos.work)) == 1, 30, "training", d)
+    time.sleep(1.0)  # the daemon has sampled the tree
+    (training,) = trainings(chaos.work)
+    d.kill9()
+    kill_all(shims(chaos.state))
+    time.sleep(0.3)
+    assert alive(training), "the training outlives its shim"
+    d = chaos.restart()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        n = len(chaos.rec.attempts(1))
+        if n >= 2 and alive(training):
+            pytest.fail(f"attempt {n} was started while attempt 1's training (pid {training}) still runs"
+                        + _why(chaos))
+        assert not (out / "TWICE").exists(), (out / "TWICE").read_text() + _why(chaos)
+        if chaos.rec.state(1) in TERMINAL and not trainings(chaos.work):
+            break
+        time.sleep(0.05)
+    assert chaos.rec.state(1) == "succeeded", _why(chaos)
+    assert not (out / "TWICE").exists(), (out / "TWICE").read_text() + _why(chaos)
+    assert trainings(chaos.work) == []
+
+
+# --- b. cancel while the next attempt is being prepared -------------------------------------------
+@pytest.mark.parametrize("delay_s", [0.0, 0.01, 0.02, 0.03, 0.045])
+def test_cancel_right_after_a_retried_failure_is_never_lost(chaos, delay_s, capsys):
+    """Exit 1 with no message is an unexplained crash: the policy retries it at once. A cancel
+    that lands while attempt 2 is being prepared must stop the job: no attempt starts after it."""
+    d = chaos.start()
+    out = chaos.out("b")
+    drop(chaos.spool, "b.yaml", exclusive_job(chaos.work, out, "--steps=6", "--interval=0.1",
+                                              "--checkpoint-every=0", "--exit=1", name="b", max_attempts=20))
+    chaos.rec.wait(lambda: chaos.rec.events(1, "attempt_ended"), 30, "attempt 1 ended", d, step=0.002)
+    time.sleep(delay_s)
+    assert cli.main(["cancel", *d.cli_args(), "1"]) == 0  # the real CLI code, in-process for speed
+    said = capsys.readouterr().out
+    cancel_ids = [e["id"] for e in chaos.rec.events(1)
+                  if e["kind"] == "cancel_requested" or (e["kind"] == "state" and "-> cancelled" in e["message"])]
+    assert cancel_ids, said
+    chaos.rec.wait(lambda: chaos.rec.state(1) in TERMINAL and not trainings(chaos.work) or
+                   len(chaos.rec.attempts(1)) >= 4, 30, "job 1 terminal", d)
+    started_after = [e for e in chaos.rec.events(1, "attempt_started") if e["id"] > cancel_ids[0]]
+    assert not started_after, f"cancel accepted ({said.strip()}) and then: {started_after[0]['message'][:80]}" + _why(chaos)
+    assert chaos.rec.state(1) == "cancelled", _why(chaos)
+
+
+# --- c. cancel while the daemon is down -----------------------------------------------------------
+@pytest.mark.parametrize("how", ["killed", "exited"])
+def test_cancel_while_the_daemon_is_down_is_honoured_after_restart(chaos, how):
+    d = chaos.start()
+    out = chaos.out("c")
+    exited = out / "exited"
+    args = (["--steps=100", "--interval=0.1"] if how == "killed" else
+            ["--steps=12", "--interval=0.1", "--exit=1", f"--exit-file={exited}"])
+    drop(chaos.spool, "c.yaml", exclusive_job(chaos.work, out, *args, name="c", max_attempts=20))
+    chaos.rec.wait(lambda: (out / "starts").exists(), 30, "training", d)
+    time.sleep(0.5)
+    d.kill9()
+    if how == "killed":  # the attempt died with the daemon and left no exit record
+        kill_all(shims(chaos.state))
+        kill_all(trainings(chaos.work))
+    else:  # it failed on its own; its shim wrote the exit record
+        chaos.rec.wait(lambda: exited.exists() and not shims(chaos.state), 30, "attempt exited")
+    time.sleep(0.2)
+    res = d.cli("cancel", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    d = chaos.restart()
+    chaos.rec.wait(lambda: chaos.rec.state(1) in TERMINAL or len(chaos.rec.attempts(1)) >= 2, 30,
+                   "job 1 cancelled or re-run", d)
+    time.sleep(0.5)
+    assert len(chaos.rec.attempts(1)) == 1, f"cancelled while down, yet re-run ({res.stdout.strip()})" + _why(chaos)
+    assert chaos.rec.state(1) == "cancelled", _why(chaos)
+    assert len((out / "starts").read_text().splitlines()) == 1
+
+
+# --- d. shutdown stops attempts in parallel -------------------------------------------------------
+def test_shutdown_stops_term_ignoring_attempts_in_parallel(chaos):
+    grace, n = 3.0, 4
+    d = chaos.start(max_parallel=n, stop_grace=grace)
+    for i in range(n):
+        drop(chaos.spool, f"d{i}.yaml", exclusive_job(chaos.work, chaos.out(f"d{i}"), "--steps=600",
+                                                       "--interval=0.1", "--ignore-term", name=f"d{i}", gpus=[i]))
+    chaos.rec.wait(lambda: len(trainings(chaos.work)) == n and
+                   all(chaos.rec.state(i + 1) == "running" for i in range(n)), 40, f"{n} trainings", d)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    rc = d.proc.wait(timeout=120)
+    took = time.monotonic() - t0
+    assert rc == 0
+    assert trainings(chaos.work) == [], "every attempt stopped before the daemon exits"
+    assert took <= grace + 2.5, (f"shutdown took {took:.1f}s for {n} SIGTERM-ignoring attempts with "
+                                 f"stop_grace {grace:.0f}s: stopped one after another, not in parallel")
+    assert [chaos.rec.state(i + 1) for i in range(n)] == ["interrupted"] * n
+
+
+# --- e. exit 0 while the daemon is frozen --------------------------------------------------------
+def test_exit_0_while_the_daemon_is_frozen_past_hang_timeout_is_a_success(chaos):
+    d = chaos.start()
+    out = chaos.out("e")
+    exited = out / "exited"
+    drop(chaos.spool, "e.yaml", exclusive_job(chaos.work, out, "--steps=10", "--interval=0.1", "--quiet-tail=1.5",
+                                              f"--exit-file={exited}", name="e", hang_timeout=3, max_attempts=3))
+    chaos.rec.wait(lambda: _in_log(chaos, "step 10/10"), 30, "last step", d)
+    time.sleep(0.4)  # the daemon read it
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        chaos.rec.wait(lambda: exited.exists() and not shims(chaos.state), 20, "attempt exited")
+        time.sleep(max(0.0, 5.0 - (time.monotonic() - frozen)))  # frozen longer than hang_timeout
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    chaos.rec.wait_state(1, TERMINAL | {"waiting_retry"}, 30, d)
+    a = chaos.rec.attempts(1)
+    diag = _diagnosis(chaos)
+    assert diag.get("category") == "success", f"judged {diag.get('category')}: {diag.get('summary')}" + _why(chaos)
+    assert chaos.rec.state(1) == "succeeded" and len(a) == 1, _why(chaos)
+
+
+# --- f. the log truncated or deleted under a running attempt ---------------------------------------
+@pytest.mark.parametrize("how", ["truncate", "delete"])
+def test_log_truncated_or_deleted_is_still_followed(chaos, how):
+    d = chaos.start()
+    out = chaos.out("f")
+    drop(chaos.spool, "f.yaml", exclusive_job(chaos.work, out, "--steps=40", "--interval=0.2", "--oom-at-step=32",
+                                              name="f", hang_timeout=3, max_attempts=1))
+    chaos.rec.wait(lambda: _in_log(chaos, "step 20/40"), 30, "step 20", d)
+    log = _log(chaos)
+    cmd = ["truncate", "-s", "0", str(log)] if how == "truncate" else ["rm", "-f", str(log)]
+    subprocess.run(cmd, check=True)
+    chaos.rec.wait_state(1, TERMINAL | {"waiting_retry"}, 40, d)
+    diag = _diagnosis(chaos)
+    exit_rec = json.loads(chaos.rec.attempts(1)[0]["exit"] or "{}")
+    assert diag.get("category") in ("gpu_oom", "host_oom"), (
+        f"after `{' '.join(cmd[:-1])}` the attempt was judged {diag.get('category')} (stopped_by "
+        f"{exit_rec.get('stopped_by')}): {diag.get('summary')}" + _why(chaos))
+    assert exit_rec.get("stopped_by") != "hang"
+    assert trainings(chaos.work) == []
+
+
+# --- g. a grandchild that escapes the process group ----------------------------------------------
+def test_escaped_grandchild_keeps_the_job_and_its_gpu_held(chaos):
+    d = chaos.start(max_parallel=2)
+    a_out, b_out = chaos.out("ga"), chaos.out("gb")
+    drop(chaos.spool, "ga.yaml", exclusive_job(chaos.work, a_out, "--steps=5", "--interval=0.1", "--escape=8",
+                                               "--ignore-term", name="ga", gpus=[0]))
+    gc_file = a_out / "grandchild.pid"
+    chaos.rec.wait(gc_file.exists, 30, "grandchild", d)
+    gc = int(gc_file.read_text())
+    drop(chaos.spool, "gb.yaml", exclusive_job(chaos.work, b_out, "--steps=3", "--interval=0.1", name="gb", gpus=[0]))
+    chaos.rec.wait(lambda: chaos.rec.state(2) is not None, 20, "job 2 accepted", d)
+    main_gone = False
+    deadline = time.monotonic() + 40
+    while alive(gc) and time.monotonic() < deadline:
+        main_gone = main_gone or not [p for p in trainings(chaos.work) if p != gc]
+        assert not (b_out / "starts").exists(), "job 2 started on GPU 0 while job 1's grandchild runs" + _why(chaos, 2)
+        assert len(chaos.rec.attempts(1)) == 1, "a next attempt while the grandchild runs" + _why(chaos)
+        assert chaos.rec.state(1) == "running", (f"job 1 released ({chaos.rec.state(1)}) while its grandchild "
+                                                 f"(pid {gc}) runs" + _why(chaos))
+        time.sleep(0.05)
+    assert not alive(gc), "the grandchild was never stopped"
+    assert main_gone, "the main process exited long before the grandchild"
+    assert not (a_out / "grandchild.done").exists(), "stopped by the supervisor, not by running out its time"
+    chaos.rec.wait_state(2, TERMINAL, 40, d)
+    assert chaos.rec.state(1) == "succeeded" and chaos.rec.state(2) == "succeeded", _why(chaos) + _why(chaos, 2)
+    assert trainings(chaos.work) == []
