@@ -324,6 +324,26 @@ def load_yaml_with_lines(text: str) -> tuple[Any, dict[str, int]]:
     return data, paths
 
 
+def _huge_integers(data: Any, lines: dict[str, int]) -> list[Problem]:
+    """Integers beyond 64 bits anywhere in the training keys: no setting needs one, and
+    SQLite, JSON consumers and torch overflow on them. Bounded: the tree is."""
+    out: list[Problem] = []
+    stack, seen = [(data, "")], 0
+    while stack and seen <= MAX_NODES and len(out) < 5:
+        obj, path = stack.pop()
+        seen += 1
+        if isinstance(obj, bool):
+            continue
+        if isinstance(obj, int) and not -(1 << 63) <= obj < (1 << 63):
+            out.append(Problem(path[:200] or "(file)", f"{str(obj)[:20]}... does not fit in 64 bits",
+                               None, _line_for(path, lines)))
+        elif isinstance(obj, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in obj.items())
+        elif isinstance(obj, list):
+            stack.extend((v, f"{path}.{i}") for i, v in enumerate(obj))
+    return out
+
+
 def _mark_line(exc: Exception) -> int | None:
     mark = getattr(exc, "problem_mark", None)
     return mark.line + 1 if mark else None
@@ -387,6 +407,9 @@ def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = Non
         raise JobFileError(_pydantic_problems(err, lines), source) from None
 
     config = {k: v for k, v in data.items() if k != "supervisor"}
+    huge = _huge_integers(config, lines)
+    if huge:
+        raise JobFileError(huge, source)
     base = submit_dir or Path.cwd()
     workdir = Path(sup.workdir).expanduser() if sup.workdir else base
     if not workdir.is_absolute():

@@ -348,3 +348,12 @@ def test_nul_bytes_and_garbage_are_rejected(env):
     put(spool, "bin.yaml", os.urandom(300) + b"\xff")
     res = run(env)
     assert res.accepted == [] and len(res.rejected) == 2
+
+
+def test_huge_integer_in_training_keys_is_rejected(env):
+    """Found by bench_spool_fuzz: a 40-digit batch size passed as a LLaMA-Factory job."""
+    spool, _, store = env
+    put(spool, "lf.yaml", "model_name_or_path: m\nstage: sft\nper_device_train_batch_size: " + "9" * 40 + "\n")
+    assert run(env).accepted == [] and store.jobs() == []
+    text = only_reason(spool)
+    assert "line 3: per_device_train_batch_size" in text and "64 bits" in text
