@@ -100,6 +100,9 @@ class HostEvidence:
     limit_enforced_kill: bool = False
     # statvfs of the folders the job writes (output_dir, the attempt folder): path -> free bytes.
     free_bytes: Mapping[str, int] = field(default_factory=dict)
+    # A batch scheduler's verdict on the job (Slurm: OUT_OF_MEMORY, TIMEOUT, NODE_FAIL, PREEMPTED,
+    # CANCELLED), when one ran it: structural, like the exit status.
+    scheduler_state: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -59,6 +59,13 @@ NEAR_FULL_BYTES = 1024**3  # a folder with less free space than this is full for
 # Categories the policy ends a job on or pauses the queue for: never from a hint alone.
 TERMINAL = frozenset({Category.CONFIG_ERROR, Category.DISK_FULL, Category.NUMERIC, Category.DEVICE_FAULT})
 _ABORT_SIGNALS = ("SIGABRT", "SIGSEGV", "SIGBUS")
+# Scheduler states that say why the job ended by themselves (OUT_OF_MEMORY corroborates a kill instead).
+_SCHEDULER_VERDICTS = {
+    "TIMEOUT": (Category.UNKNOWN, "scheduler_timeout", "the job reached its time limit; not a failure of the training"),
+    "PREEMPTED": (Category.UNKNOWN, "preempted", "the job was preempted for another one; not a failure"),
+    "CANCELLED": (Category.UNKNOWN, "cancelled", "someone cancelled the job; not a failure"),
+    "NODE_FAIL": (Category.ENVIRONMENT, "node_fail", "the node failed; a retry on a healthy node is expected to work"),
+}
 REFINE_WINDOW = 64  # lines between a library's OOM message and the exception it raised
 
 _SUPERVISOR_STOPS = ("cancel", "shutdown")
@@ -115,6 +122,8 @@ def _memory_corroboration(host: HostEvidence | None) -> tuple[list[str], list[Ev
     ev: list[Evidence] = []
     if host.cgroup_oom_kills:
         words.append(f"cgroup oom_kill counter = {host.cgroup_oom_kills}")
+    if host.scheduler_state == "OUT_OF_MEMORY":
+        words.append("the scheduler reports OUT_OF_MEMORY")
     for line in host.kernel_oom_lines:
         if KERNEL_OOM_RE.search(line):
             ev.append(Evidence(line_no=0, text=line.strip()[:2000], rule="host:kernel_oom"))
@@ -358,13 +367,21 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
     launch = _launch_failure(state, exit)
     if launch is not None:
         return launch
+    sched = host.scheduler_state if host is not None else None
+    if sched in _SCHEDULER_VERDICTS:
+        category, subkind, words = _SCHEDULER_VERDICTS[sched]
+        return dataclasses.replace(_plain(category, subkind, f"The scheduler reports {sched}: {words}."
+                                          + (f" Last step seen {state.last_step}." if state.last_step is not None else ""),
+                                          state, _tail_evidence(state, 2)),
+                                   numbers={"scheduler_state": sched})
 
     active = [f for f in state.findings if not f.recovered]
     decisive = _decisive(active, signal, host)
     own_kill = stopped_by in _OWN_KILLS
     exit_killed = not own_kill and signal == "SIGKILL"
     kill_marker = next((f for f in active if f.rule == "sigkill"), None)
-    killed = exit_killed or kill_marker is not None or bool(host and host.limit_enforced_kill)
+    killed = (exit_killed or kill_marker is not None or bool(host and host.limit_enforced_kill)
+              or bool(host and host.scheduler_state == "OUT_OF_MEMORY"))
     words, kernel_ev = _memory_corroboration(host)
     cgroup_kills = bool(host and host.cgroup_oom_kills)
 

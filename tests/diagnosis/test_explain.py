@@ -74,3 +74,56 @@ def test_empty_log_is_diagnosed_not_refused(tmp_path):
     p.write_bytes(b"")
     rc, out, _ = _run([str(p), "--exit-code", "1", "--json"])
     assert rc == 0 and json.loads(out)["category"] == "unknown"
+
+
+# --- the evidence a user has for a past run (issue 10) ----------------------------------------
+def test_kernel_log_and_exit_status_make_a_sigkill_a_host_oom(tmp_path):
+    dmesg = tmp_path / "dmesg.txt"
+    dmesg.write_text("[812345.1] eth0: link up\n[812345.9] Memory cgroup out of memory: Killed process 48213 (python3) "
+                     "total-vm:41234567kB, anon-rss:1240000kB\n")
+    rc, out, _ = _run([str(FIXTURES / "host_oom_cgroup_kill_137.log"), "--exit-code", "137",
+                       "--kernel-log", str(dmesg), "--json"])
+    d = json.loads(out)
+    assert rc == 0 and d["category"] == "host_oom" and d["strength"] == "structural"
+    assert any(e["rule"] == "host:kernel_oom" and "48213" in e["text"] for e in d["evidence"])
+
+
+def test_cgroup_counter_flag_corroborates_a_kill():
+    rc, out, _ = _run([str(FIXTURES / "host_oom_cgroup_kill_137.log"), "--signal", "SIGKILL",
+                       "--cgroup-oom-kills", "2", "--json"])
+    d = json.loads(out)
+    assert d["category"] == "host_oom" and "oom_kill counter = 2" in d["summary"]
+
+
+def test_slurm_states_are_read(tmp_path):
+    log = str(FIXTURES / "host_oom_cgroup_kill_137.log")
+    want = {"OUT_OF_MEMORY": "host_oom", "TIMEOUT": "unknown", "PREEMPTED": "unknown", "CANCELLED": "unknown",
+            "NODE_FAIL": "environment"}
+    for state, category in want.items():
+        rc, out, err = _run([log, "--slurm-state", state.lower(), "--exit-code", "137", "--json"])
+        assert rc == 0, err
+        d = json.loads(out)
+        assert d["category"] == category, (state, d["summary"])
+        assert state in d["summary"]
+
+
+def test_free_bytes_confirm_or_refute_a_full_disk():
+    log = str(FIXTURES / "disk_full_checkpoint_save.log")
+    rc, out, _ = _run([log, "--exit-code", "1", "--free-bytes", "/data/out=1048576", "--json"])
+    assert json.loads(out)["category"] == "disk_full"
+    rc, out, _ = _run([log, "--exit-code", "1", "--free-bytes", "/data/out=500GiB", "--json"])
+    d = json.loads(out)
+    assert d["category"] == "crash_other" and d["strength"] == "hint" and "statvfs disagrees" in d["summary"]
+
+
+def test_bad_evidence_flags_are_clear_errors(tmp_path):
+    log = str(FIXTURES / "success_exit0.log")
+    for argv, msg in (
+        (["--free-bytes", "/data"], "--free-bytes wants PATH=BYTES"),
+        (["--free-bytes", "/data=lots"], "--free-bytes /data=lots: 'lots' is not a size"),
+        (["--slurm-state", "EXPLODED"], "unknown --slurm-state 'EXPLODED'"),
+        (["--kernel-log", str(tmp_path / "missing.txt")], "kernel log not found"),
+        (["--cgroup-oom-kills", "-1"], "--cgroup-oom-kills must be >= 0"),
+    ):
+        rc, out, err = _run([log, *argv])
+        assert rc == 2 and msg in err, (argv, err)
