@@ -173,8 +173,9 @@ def _output_dir(state: StatePaths, job) -> Path | None:
 
 
 def split_runs(records: list[dict[str, Any]]) -> list[list[tuple[int, float]]]:
-    """(step, loss) runs, a new one wherever LLaMA-Factory restarted: the step went down, or it
-    stayed while the timer went back (a resumed attempt re-logs the step it resumed at)."""
+    """(step, loss) runs, a new one wherever LLaMA-Factory restarted: the step went down, or the
+    timer went back (a resumed run's clock starts at 0 while its steps go on from the checkpoint,
+    so the step alone does not show the seam)."""
     runs: list[list[tuple[int, float]]] = []
     prev_step = prev_t = None
     for r in records:
@@ -183,7 +184,7 @@ def split_runs(records: list[dict[str, Any]]) -> list[list[tuple[int, float]]]:
             continue
         t = parse_elapsed(r.get("elapsed_time"))
         if not runs or (prev_step is not None and (
-                step < prev_step or (step == prev_step and t is not None and prev_t is not None and t < prev_t))):
+                step < prev_step or (t is not None and prev_t is not None and t < prev_t))):
             runs.append([])
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
             runs[-1].append((step, float(loss)))
@@ -219,11 +220,14 @@ def job_figure(job: JobView) -> bytes | None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = [c for c in plt.rcParams["axes.prop_cycle"].by_key()["color"] if c != "#d62728"]  # red: failures
     fig = plt.figure(figsize=(11, 7.5), dpi=100, layout="constrained")
     gs = fig.add_gridspec(2, 2, height_ratios=[1.4, 1])
     ax = fig.add_subplot(gs[0, :])
     any_loss = False
+    xmax = max([job.total_steps or 0, *(s for a in job.attempts for s, _ in a.losses),
+                *(a.max_step or 0 for a in job.attempts)]) or 1
+    ax.set_xlim(0, xmax * 1.02 + 0.5)
     for k, a in enumerate(job.attempts):
         c = colors[k % len(colors)]
         if a.losses:
@@ -236,9 +240,10 @@ def job_figure(job: JobView) -> bytes | None:
             ax.axvline(x, color="#d62728", ls="--", lw=1.2)
             label = a.outcome.replace("_", " ").upper() if a.outcome.endswith("oom") else a.outcome
             follow = f"\n→ {a.next_remedy}" if a.next_remedy else (f"\n→ {a.decision}" if a.decision else "")
+            right = x > 0.7 * xmax  # near the right edge: write to the left of the line
             ax.annotate(f"✕ {label} (att. {a.number}){follow}", xy=(x, 1), xycoords=("data", "axes fraction"),
-                        xytext=(4, -4 - 30 * (k % 3)), textcoords="offset points", va="top", fontsize=9,
-                        color="#d62728")
+                        xytext=(-4 if right else 4, -4 - 30 * (k % 3)), textcoords="offset points", va="top",
+                        ha="right" if right else "left", fontsize=9, color="#d62728")
     ax.set_title(f"job {job.id} {job.name}: loss on the global step axis, all attempts")
     ax.set_xlabel("global step")
     ax.set_ylabel("loss")

@@ -5,6 +5,7 @@ restart from the checkpoint, the timer restarts at 0, total_tokens carries on)."
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,12 +60,12 @@ def _attempt(store: Store, clock: Clock, job_id: int, n: int, *, minutes: float,
         store.transition(job_id, JobState.WAITING_RETRY, f"{decision.get('rung')}: {decision['reason']}")
 
 
-def build_night(root: Path, *, start: float = 1_764_540_000.0) -> tuple[StatePaths, Store]:
+def build_night(root: Path, *, start: float | None = None) -> tuple[StatePaths, Store]:
     """Job 1: two host OOMs, two micro-batch remedies, succeeded (the demo's shape). Job 2: a GPU
     OOM on ROCm, gradient checkpointing, still running. Job 3: queued."""
     state = StatePaths(root / "state")
     state.ensure()
-    clock = Clock(start)
+    clock = Clock(time.time() - 10 * 3600 if start is None else start)  # last night
     store = Store(state.db, clock=clock)
     work = root / "work"
     out1, out2 = work / "out-1", work / "out-2"
