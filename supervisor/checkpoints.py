@@ -73,6 +73,19 @@ _RNG_RANK_RE = re.compile(r"^rng_state_(\d+)\.pth$")
 _OPTIM_SHARD_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MP_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+# FSDP, as accelerate's save_fsdp_model / save_fsdp_optimizer write it into checkpoint-N
+# (FSDP_MODEL_NAME = "pytorch_model_fsdp", OPTIMIZER_NAME = "optimizer"):
+#   SHARDED_STATE_DICT: pytorch_model_fsdp_<i>/ and optimizer_<i>/, each a
+#     torch.distributed.checkpoint folder: __<rank>_<n>.distcp files + `.metadata`, which the
+#     coordinator writes after every rank's data (finish()), so `.metadata` marks a finished save;
+#   FULL_STATE_DICT: pytorch_model_fsdp.bin (+ _<i>.bin) and optimizer.bin, from rank 0;
+#   LOCAL_STATE_DICT: pytorch_model_fsdp_rank<r>.bin per rank.
+_FSDP_SHARDED_DIR_RE = re.compile(r"^pytorch_model_fsdp_(\d+)$")
+_FSDP_OPTIM_DIR_RE = re.compile(r"^optimizer_(\d+)$")
+_FSDP_FULL_RE = re.compile(r"^pytorch_model_fsdp(?:_\d+)?\.bin$")
+_FSDP_LOCAL_RE = re.compile(r"^pytorch_model_fsdp(?:_\d+)?_rank(\d+)\.bin$")
+_DISTCP_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+DCP_METADATA = ".metadata"
 
 
 # --------------------------------------------------------------------------- records
@@ -101,6 +114,7 @@ class Checkpoint:
     has_optimizer: bool
     ds_tag: str | None = None
     max_steps: int | None = None
+    fsdp: str | None = None  # "sharded" | "full" | "local" (the FSDP state-dict type), else None
 
 
 @dataclass(frozen=True)
@@ -258,6 +272,27 @@ def inspect_checkpoint(
 
     deepspeed = "latest" in names or any(n.startswith("global_step") for n in names)
     ds_tag = zero_stage = None
+    fsdp = _inspect_fsdp(path, names)
+    if isinstance(fsdp, str):
+        return Incomplete(path, step, fsdp)
+    if fsdp is not None and not deepspeed:
+        kind, fsdp_ranks, fsdp_optim = fsdp
+        world = _world_from(rng_ranks | fsdp_ranks)
+        if fsdp_ranks and fsdp_ranks != set(range(world)):
+            return Incomplete(path, step, f"FSDP shards missing for ranks {_gaps(fsdp_ranks, world)}")
+        if expected_world_size is not None:
+            world = max(world, expected_world_size)
+        if world and rng_ranks != set(range(world)):
+            return Incomplete(path, step, f"RNG state missing for ranks {_gaps(rng_ranks, world)}")
+        if fsdp_optim and "scheduler.pt" not in names:
+            return Incomplete(path, step, "FSDP optimizer state without scheduler.pt")
+        tbs = state.get("train_batch_size")
+        return Checkpoint(
+            path=path, step=step, deepspeed=False, zero_stage=None, world_size=world or None,
+            train_batch_size=tbs if isinstance(tbs, int) else None,
+            has_weights=has_weights, adapter=adapter, has_optimizer=fsdp_optim, fsdp=kind,
+            max_steps=state.get("max_steps") if isinstance(state.get("max_steps"), int) else None,
+        )
     if deepspeed:
         ds = _inspect_deepspeed(path, names)
         if isinstance(ds, str):
@@ -298,6 +333,37 @@ def inspect_checkpoint(
         ds_tag=ds_tag,
         max_steps=state.get("max_steps") if isinstance(state.get("max_steps"), int) else None,
     )
+
+
+def _inspect_fsdp(path: Path, names: set[str]) -> tuple[str, set[int], bool] | str | None:
+    """(state-dict type, ranks whose model shards are present, has optimizer state), None when
+    the folder holds no FSDP state, or why the FSDP part is incomplete."""
+    sharded = sorted(n for n in names if _FSDP_SHARDED_DIR_RE.match(n) and (path / n).is_dir())
+    optim_dirs = sorted(n for n in names if _FSDP_OPTIM_DIR_RE.match(n) and (path / n).is_dir())
+    if sharded:
+        ranks: set[int] | None = None
+        for d in (*sharded, *optim_dirs):
+            try:
+                files = set(os.listdir(path / d))
+            except OSError as e:
+                return f"FSDP folder {d} unreadable: {e}"
+            if DCP_METADATA not in files:
+                return (f"FSDP sharded state {d}/ has no {DCP_METADATA} "
+                        "(written last: the save did not finish)")
+            here = _ranks(files, _DISTCP_RE)
+            if not here:
+                return f"FSDP sharded state {d}/ has no .distcp files"
+            if ranks is not None and here != ranks:
+                return (f"FSDP shards disagree: {d}/ has ranks {sorted(here)}, "
+                        f"{sharded[0]}/ has {sorted(ranks)}")
+            ranks = here if ranks is None else ranks
+        return "sharded", ranks or set(), bool(optim_dirs)
+    local = _ranks(names, _FSDP_LOCAL_RE)
+    if local:
+        return "local", local, "optimizer.bin" in names
+    if any(_FSDP_FULL_RE.match(n) for n in names):
+        return "full", set(), "optimizer.bin" in names
+    return None
 
 
 def _inspect_deepspeed(path: Path, names: set[str]) -> tuple[str, int, set[int]] | str:
