@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,9 @@ from . import proctree
 from .config import DaemonConfig
 from .diagnosis import LogScanner
 from .fsutil import atomic_write_json, atomic_write_text, read_json
-from .limits import JobCgroup, detect_cgroup, kernel_oom_lines, rlimits_for
+from .diskfull import is_disk_full
+from .limits import CgroupSupport, JobCgroup, detect_cgroup, kernel_oom_lines, rlimits_for
+from .logfollow import LogFollower
 from .logsetup import log
 from .models import (
     AttemptRecord,
@@ -38,17 +42,27 @@ from .models import (
     Overrides,
 )
 from .notify import Notifier
+from .ownership import MARKER_ENV, Owner, detect_owner_support
 from .paths import AttemptPaths
 from .states import JobState
 from .store import JobRow, Store
 
-READ_CHUNK = 1 << 20
+# Per poll and job: one job's output never holds the loop for long (the rest waits a tick).
+READ_BUDGET_BYTES = 8 << 20
+READ_BUDGET_S = 0.05
+TAIL_KEEP_BYTES = 32 << 20  # of a backlog left when an attempt is over, the part that is read
+STUCK_AFTER_S = 10.0
 ENV_DROP_PREFIXES = ("OOM_SUPERVISOR_",)
+RUNNABLE = (JobState.QUEUED, JobState.INTERRUPTED, JobState.WAITING_RETRY)
 
 
 @dataclass
 class Active:
-    """A running attempt as the daemon follows it (memory only; the record is in SQLite)."""
+    """A running attempt as the daemon follows it (memory only; the record is in SQLite).
+
+    Nothing here decides that the attempt is over: only `Handle.over()` (the
+    shim and every member of the attempt's owner gone) does.
+    """
 
     job_id: int
     number: int
@@ -59,7 +73,7 @@ class Active:
     gpus: list[int] | None
     output_dir: Path | None
     hang_timeout: float
-    offset: int = 0
+    log: LogFollower = None  # type: ignore[assignment]
     last_output_mono: float = field(default_factory=time.monotonic)
     last_step: int | None = None
     peak_rss: int = 0
@@ -70,8 +84,26 @@ class Active:
     fatal: list = field(default_factory=list)
     progress_offset: int | None = None  # trainer_log.jsonl size at launch: later lines are this attempt's
     next_sample_mono: float = 0.0
-    known: dict = field(default_factory=dict)  # pid -> create_time of every process seen in the tree
     published_step: int | None = None
+    # Stopping without blocking the loop: SIGTERM sent at stop_sent_mono, SIGKILL at stop_deadline.
+    stop_sent_mono: float | None = None
+    stop_sent_wall: float | None = None
+    stop_deadline: float | None = None
+    kill_sent: bool = False
+    interrupt_cause: str = "shutdown"
+    launch_failure: str | None = None
+    stuck_reported: bool = False
+    broken: str | None = None  # our own error while following it: stop it, then record
+    limit_killed: bool = False  # stopped for going over host_memory_limit (sampled, no cgroup)
+    finish_failures: int = 0
+
+    def __post_init__(self) -> None:
+        if self.log is None:
+            self.log = LogFollower(self.paths.log)
+
+    @property
+    def offset(self) -> int:
+        return self.log.offset
 
 
 class Runner:
@@ -81,6 +113,8 @@ class Runner:
         self.notifier = notifier
         self.clock = clock
         self.cgroup_support = detect_cgroup() if cfg.cgroups == "auto" else None
+        self.owner_support = (detect_owner_support(self._state_tag()) if cfg.cgroups == "auto" else None)
+        self._outbox: list[dict[str, Any]] = []
         self._versions: dict[str, dict[str, str | None]] = {}
         self._specs: dict[int, jobspec_mod.JobSpec] = {}  # job.yaml never changes once accepted
         self._gpu_caps: dict[int, int] | None = None  # probed once, when a decision first needs it
@@ -111,8 +145,18 @@ class Runner:
 
     # --- start --------------------------------------------------------------------------
     def start(self, job: JobRow) -> Active | None:
+        """Prepare and launch the next attempt, or settle the job if it must not run."""
         from .policy import render_attempt
 
+        job = self.store.job(job.id) or job
+        if job.cancel_requested or job.state not in RUNNABLE:
+            return self._abandon_before_prepare(job)
+        if self._crash_interruptions(job.id) >= self.cfg.max_interruptions:
+            self.store.transition(job.id, JobState.RUNNING, "preparing attempt")
+            self._fail(job.id, f"the supervisor was restarted {self.cfg.max_interruptions} times while this "
+                               "job's attempts ran (it may be crashing the supervisor or the box); not "
+                               f"starting it again on its own: `oom-supervisor retry {job.id}` does")
+            return None
         try:
             spec = self.spec_of(job.id)
         except Exception as exc:
@@ -122,9 +166,11 @@ class Runner:
         last = self.store.last_attempt(job.id)
         number = (last.number if last else 0) + 1
         paths = self.cfg.state.job(job.id).attempt(number)
-        if paths.root.exists():  # prepared before a crash, never launched: keep it aside
-            paths.root.rename(paths.root.with_name(f"{paths.root.name}.unlaunched-{time.time_ns()}"))
-        paths.root.mkdir(parents=True)
+        if paths.root.exists():
+            # No attempt row names it, so it was prepared and never launched (the row is committed
+            # before the launch): nothing of it ran, and it is rendered again from the record.
+            shutil.rmtree(paths.root)
+        paths.root.mkdir(parents=True, mode=0o700)
         overrides = Overrides.from_dict(json.loads(job.next_overrides) if job.next_overrides else None)
 
         resume_yaml: dict[str, Any] = {}
@@ -135,6 +181,8 @@ class Runner:
             try:
                 plan = self._plan_resume(job, spec, overrides, output_dir, number)
             except Exception as exc:
+                if is_disk_full(exc):
+                    raise
                 self.store.transition(job.id, JobState.RUNNING, "preparing attempt")
                 self._fail(job.id, f"cannot plan the resume: {exc}")
                 return None
@@ -157,7 +205,7 @@ class Runner:
             self._fail(job.id, f"cannot render attempt {number}: {exc}")
             return None
         for name, content in rendered.files.items():
-            atomic_write_text(paths.root / name, content)
+            atomic_write_text(paths.root / name, content, mode=0o600)
         if spec.kind == "llamafactory":
             problems = self._validate_rendered(paths.root / "effective.yaml", spec)
             if problems:
@@ -165,23 +213,31 @@ class Runner:
                 self._fail(job.id, "the rendered configuration is invalid: " + "; ".join(map(str, problems)))
                 return None
 
+        tag = self.attempt_tag(job.id, number)
         env = self._environment(spec, rendered.env)
+        env[MARKER_ENV] = tag
         atomic_write_json(paths.environment, {"argv": rendered.argv, "cwd": str(spec.workdir),
                                               "env": env, "set_by_attempt": rendered.env}, mode=0o600)
 
-        rlimits, cgroup, mechanism = self._limits(spec, job.id, number)
+        owner = Owner.for_attempt(self.owner_support, tag, paths.root / "procs.json", create=True)
+        rlimits, cgroup, mechanism = self._limits(spec, job.id, number, owner)
         progress_offset = _size(output_dir / "trainer_log.jsonl") if output_dir else None
         remedy = _remedy_text(overrides)
         with self.store.tx():
             current = self.store.job(job.id)
-            if current is None or current.state not in (JobState.QUEUED, JobState.INTERRUPTED,
-                                                        JobState.WAITING_RETRY):
+            if current is None or current.state not in RUNNABLE or current.cancel_requested:
                 # Cancelled (or otherwise moved) by the CLI while we prepared: launch nothing.
-                if cgroup is not None:
+                owner.remove()
+                if cgroup is not None and cgroup.path != owner.cgroup:
                     cgroup.remove(timeout_s=0.1)
                 self._event(job.id, "attempt_abandoned",
                             f"attempt {number} was prepared but not launched: the job is now "
-                            f"{current.state if current else 'gone'}", attempt=number)
+                            f"{current.state if current else 'gone'}"
+                            + (" with a cancel requested" if current and current.cancel_requested else ""),
+                            attempt=number)
+                if current is not None and current.cancel_requested and current.state in RUNNABLE:
+                    self.store.transition(job.id, JobState.CANCELLED, "cancelled by the user")
+                    self._notify(job.id, "cancelled", "cancelled by the user")
                 return None
             self.store.add_attempt(job.id, number, overrides=json.dumps(overrides.to_dict()),
                                    remedy=remedy, resumed_from=resumed_from,
@@ -189,27 +245,50 @@ class Runner:
             self.store.transition(job.id, JobState.RUNNING,
                                   f"attempt {number} started" + (f" (remedy: {remedy})" if overrides.rungs else "")
                                   + (f", resuming from {resumed_from}" if resumed_from else ""),
-                                  not_before=None, cancel_requested=0)
+                                  not_before=None)
+        act_args = dict(job_id=job.id, number=number, paths=paths, scanner=LogScanner(initial_step=resumed_step),
+                        spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
+                        hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
+                        last_step=resumed_step, progress_offset=progress_offset)
         try:
             handle = proctree.launch(paths, argv=rendered.argv, cwd=spec.workdir, env=env,
-                                     rlimits=rlimits, cgroup=cgroup)
+                                     rlimits=rlimits, cgroup=cgroup, owner=owner,
+                                     max_log_bytes=self.cfg.max_log_bytes)
         except Exception as exc:
-            if cgroup is not None:
-                cgroup.remove(timeout_s=0.1)
-            self.store.update_attempt(job.id, number, ended_at=self.clock(),
-                                      exit=json.dumps({"returncode": None, "error": str(exc)}))
-            self._fail(job.id, f"could not launch: {exc}")
-            return None
+            # The attempt is recorded as started: follow it through the usual path (its owner is
+            # checked empty there) so that its end is recorded even on a full disk.
+            log.error("launch_failed", job=job.id, attempt=number, error=str(exc))
+            act = Active(handle=proctree.Handle(0, 0.0, cgroup=cgroup, owner=owner), **act_args)
+            act.launch_failure = f"could not launch: {exc}"
+            if is_disk_full(exc):
+                act.stopped_by = "vanished"  # nothing ran; it is resumed once there is room
+            return act
         self.store.update_attempt(job.id, number, pid=handle.pid, pid_create_time=handle.create_time)
         changes = [c.to_dict() for c in rendered.changes]
         self._event(job.id, "attempt_started", f"attempt {number}: {' '.join(rendered.argv)}", attempt=number,
                     pid=handle.pid, changes=changes, memory_limit=spec.sup.host_memory_limit,
-                    limit_mechanism=mechanism)
-        return Active(job_id=job.id, number=number, paths=paths, handle=handle,
-                      scanner=LogScanner(initial_step=resumed_step),
-                      spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
-                      hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
-                      last_step=resumed_step, progress_offset=progress_offset)
+                    limit_mechanism=mechanism, ownership=owner.mechanism)
+        return Active(handle=handle, **act_args)
+
+    def _abandon_before_prepare(self, job: JobRow) -> None:
+        """A cancel recorded before we began (durable intent): settle it, run nothing, fix nothing up."""
+        with self.store.tx():
+            current = self.store.job(job.id)
+            if current is not None and current.cancel_requested and current.state in RUNNABLE:
+                self.store.transition(job.id, JobState.CANCELLED, "cancelled by the user")
+                self._notify(job.id, "cancelled", "cancelled by the user")
+        return None
+
+    def _crash_interruptions(self, job_id: int) -> int:
+        """Attempts in a row cut short by a supervisor crash (not a clean shutdown)."""
+        n = 0
+        for a in reversed(self.store.attempts(job_id)):
+            dec = a.json("decision") or {}
+            if dec.get("kind") == "interrupted" and dec.get("cause") == "crash":
+                n += 1
+            elif dec.get("kind") != "interrupted":
+                break
+        return n
 
     def _plan_resume(self, job: JobRow, spec, overrides: Overrides, output_dir: Path | None, number: int):
         if output_dir is None:
@@ -272,24 +351,34 @@ class Runner:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _limits(self, spec, job_id: int, number: int):
+    def _limits(self, spec, job_id: int, number: int, owner: Owner):
+        """(rlimits, memory cgroup, mechanism) for the job's host_memory_limit."""
         limit = spec.sup.host_memory_limit
         if not limit:
             return None, None, None
+        if owner.kind == "cgroup-v2" and owner.cgroup is not None and (owner.cgroup / "memory.max").exists():
+            cg = JobCgroup.create(CgroupSupport(2, owner.cgroup.parent), owner.cgroup.name, limit)
+            return None, cg, cg.mechanism
         if self.cgroup_support is not None:
             try:
                 cg = JobCgroup.create(self.cgroup_support, self._cgroup_name(job_id, number), limit)
                 return None, cg, cg.mechanism
             except OSError as exc:
                 log.warning("cgroup_create_failed", job=job_id, error=str(exc))
-        return rlimits_for(limit), None, "rlimit-data"
+        return rlimits_for(limit), None, "rlimit-data+sampled-sum"
+
+    def attempt_tag(self, job_id: int, number: int) -> str:
+        """The attempt's name for its cgroups and its marker (unique per state folder)."""
+        return self._cgroup_name(job_id, number)
+
+    def _state_tag(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(str(self.cfg.state.root).encode()).hexdigest()[:8]
 
     def _cgroup_name(self, job_id: int, number: int) -> str:
         """Unique per state folder: two daemons on one box must never share a job's cgroup."""
-        import hashlib
-
-        tag = hashlib.sha256(str(self.cfg.state.root).encode()).hexdigest()[:8]
-        return f"job-{job_id}-attempt-{number}-{tag}"
+        return f"job-{job_id}-attempt-{number}-{self._state_tag()}"
 
     def _versions_for(self, spec) -> dict[str, str | None]:
         """transformers/torch versions of the environment the job runs in (not ours)."""
@@ -322,16 +411,10 @@ class Runner:
 
     # --- follow -------------------------------------------------------------------------------
     def poll(self, act: Active) -> bool:
-        """Advance one attempt; True when its process tree is gone."""
-        self._read_log(act)
-        if act.fatal and act.stopped_by is None and act.spec.sup.stop_on_fatal_line:
-            act.stopped_by = "fatal_signal"
-            act.detected_at = self.clock()
-            ev = act.fatal[0]
-            self._event(act.job_id, "fatal_detected",
-                        f"line {ev.line_no}: {ev.text[:300]} -> stopping the attempt now", attempt=act.number,
-                        rule=ev.rule)
-            act.teardown_s = proctree.terminate(act.handle, grace_s=self.cfg.fatal_grace)
+        """Advance one attempt within this tick's budget; True only when all of it is gone."""
+        if act.broken is None:
+            self._read_log(act)
+            self._act_on_fatal(act)
         now = time.monotonic()
         if now >= act.next_sample_mono:  # the log may wake us 50 times a second: sample less often
             act.next_sample_mono = now + 0.5
@@ -340,79 +423,115 @@ class Runner:
                 act.published_step = act.last_step  # so `status` shows progress while it runs
                 self.store.update_attempt(act.job_id, act.number, max_step=act.last_step,
                                           total_steps=act.scanner.total_steps)
-        if (act.stopped_by is None and act.hang_timeout and now - act.last_output_mono > act.hang_timeout):
-            act.stopped_by = "hang"
-            act.detected_at = self.clock()
+        self._advance_stop(act)
+        act.handle.reap()
+        if not act.handle.alive():
+            left = act.handle.processes(scan=True)
+            if left:
+                self._stop_orphans(act, left)
+                return False
+            if act.broken is None:
+                self._read_log_to_end(act)
+            if act.stop_sent_mono is not None and act.teardown_s is None:
+                act.teardown_s = time.monotonic() - act.stop_sent_mono
+            return True
+        # Alive. The exit check came first: a job that ended while we were stalled is not a hang.
+        if (act.stopped_by is None and act.broken is None and act.hang_timeout
+                and now - act.last_output_mono > act.hang_timeout):
             self._event(act.job_id, "hang_detected",
                         f"no output and no step advance for {act.hang_timeout:.0f}s (last step "
                         f"{act.last_step}); stopping the attempt", attempt=act.number)
-            proctree.terminate(act.handle, grace_s=self.cfg.stop_grace)
-        act.handle.reap()
-        if act.handle.alive():
-            return False
-        if self._kill_orphans(act):
-            return False  # the shim died before its job (killed from outside): not over yet
-        self._read_log(act)
-        return True
+            self.stop(act, "hang", self.cfg.stop_grace)
+        return False
 
-    def _kill_orphans(self, act: Active) -> bool:
-        """Processes of this attempt that outlived its shim (reparented to init). True while any live."""
-        left = []
-        for pid, ctime in act.known.items():
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - ctime) < 0.05 and p.status() != psutil.STATUS_ZOMBIE:
-                    left.append(p)
-            except psutil.Error:
-                pass
-        if act.handle.cgroup is not None:
-            left += [psutil.Process(pid) for pid in act.handle.cgroup.pids() if psutil.pid_exists(pid)]
-        if not left:
-            return False
+    def _act_on_fatal(self, act: Active) -> None:
+        if act.fatal and act.stopped_by is None and act.spec.sup.stop_on_fatal_line:
+            ev = act.fatal[0]
+            self._event(act.job_id, "fatal_detected",
+                        f"line {ev.line_no}: {ev.text[:300]} -> stopping the attempt now", attempt=act.number,
+                        rule=ev.rule)
+            self.stop(act, "fatal_signal", self.cfg.fatal_grace)
+
+    def _advance_stop(self, act: Active) -> None:
+        """SIGKILL at the stop deadline, again while anything is left; say once if it will not die."""
+        if act.stop_deadline is None:
+            return
+        now = time.monotonic()
+        if now < act.stop_deadline:
+            return
+        if act.handle.processes():
+            proctree.kill_tree(act.handle)
+            act.kill_sent = True
+        elif act.handle.alive() and now - act.stop_deadline > proctree.SHIM_GRACE_S:
+            proctree.kill_tree(act.handle, shim_too=True)  # its job is gone but it is stuck
+        if (act.kill_sent and not act.stuck_reported and now - act.stop_deadline > STUCK_AFTER_S
+                and act.handle.processes()):
+            act.stuck_reported = True
+            stuck = _describe(act.handle.processes())
+            self._event(act.job_id, "attempt_stuck",
+                        f"attempt {act.number}: processes survive SIGKILL for {STUCK_AFTER_S:.0f}s ({stuck}); "
+                        "probably in uninterruptible sleep (a hung driver or file system). The job stays "
+                        "held: nothing else starts on its GPUs until they are gone", attempt=act.number)
+
+    def _stop_orphans(self, act: Active, left: list) -> None:
+        """The shim is gone but processes of the attempt live (it was killed from outside)."""
         if act.stopped_by is None:
             act.stopped_by = "orphaned"
+            act.detected_at = self.clock()
+        if act.stop_deadline is None or not act.kill_sent:
             self._event(act.job_id, "orphans_stopped",
                         f"the attempt's shim is gone but {len(left)} of its processes still run "
-                        f"(pids {sorted(p.pid for p in left)[:8]}); stopping them before anything else "
-                        "may use their GPUs", attempt=act.number)
-        for p in left:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        return True
+                        f"({_describe(left)}); stopping them before anything else may use their GPUs",
+                        attempt=act.number)
+            act.stop_sent_mono = act.stop_sent_mono or time.monotonic()
+            act.stop_sent_wall = act.stop_sent_wall or self.clock()
+            act.stop_deadline = time.monotonic()
+            proctree.kill_tree(act.handle)
+            act.kill_sent = True
 
-    def _read_log(self, act: Active) -> None:
-        try:
-            with open(act.paths.log, "rb") as f:
-                f.seek(act.offset)
-                while True:
-                    chunk = f.read(READ_CHUNK)
-                    if not chunk:
-                        break
-                    act.offset += len(chunk)
-                    act.last_output_mono = time.monotonic()
-                    act.fatal.extend(act.scanner.feed(chunk))
-        except FileNotFoundError:
-            return
+    def _read_log(self, act: Active, budget_bytes: int = READ_BUDGET_BYTES, budget_s: float = READ_BUDGET_S) -> None:
+        for chunk in act.log.read(budget_bytes, budget_s):
+            act.last_output_mono = time.monotonic()
+            act.fatal.extend(act.scanner.feed(chunk))
+        if act.log.notes:
+            act.last_output_mono = time.monotonic()
+            for note in act.log.notes:
+                self._event(act.job_id, "log_changed", note, attempt=act.number)
+            act.log.notes.clear()
         step = act.scanner.last_step
         if step is not None and (act.last_step is None or step > act.last_step):
             act.last_step = step
 
+    def _read_log_to_end(self, act: Active) -> None:
+        """The attempt is over: read what is left (a flood backlog only by its tail)."""
+        act.log.skip_to_tail(TAIL_KEEP_BYTES)
+        self._read_log(act, budget_bytes=TAIL_KEEP_BYTES + READ_BUDGET_BYTES, budget_s=10.0)
+
     def _sample(self, act: Active) -> None:
         try:
-            for p in act.handle.processes():
-                act.known.setdefault(p.pid, p.create_time())
+            procs = act.handle.processes()
+            if act.handle.owner is not None:
+                act.handle.owner.remember(procs)
             rss = act.handle.rss_bytes()
             avail = psutil.virtual_memory().available
         except Exception:
             return
         act.peak_rss = max(act.peak_rss, rss)
         act.min_available = avail if act.min_available is None else min(act.min_available, avail)
+        limit = act.spec.sup.host_memory_limit
+        if limit and act.handle.cgroup is None and rss > limit and act.stopped_by is None:
+            # No cgroup: RLIMIT_DATA binds each process alone, so the job as a whole is held to its
+            # limit here, by the sampled sum of its processes.
+            act.limit_killed = True
+            self._event(act.job_id, "memory_limit_enforced",
+                        f"the job's processes use {_gib(rss)} together ({len(procs)} processes), over its "
+                        f"host_memory_limit of {_gib(limit)} (no cgroup here: enforced on the sampled sum); "
+                        "stopping the attempt", attempt=act.number, rss_bytes=rss, limit_bytes=limit)
+            self.stop(act, "memory_limit", 0.0)
 
     def internal_failure(self, job_id: int, what: str) -> None:
-        """Our own error while handling a job: fail it loudly so `retry` can take it again,
-        rather than leave it `running` with nobody following it."""
+        """Our own error while handling a job that has no live attempt: fail it loudly so
+        `retry` can take it again, rather than leave it `running` with nobody following it."""
         job = self.store.job(job_id)
         if job is None:
             return
@@ -424,46 +543,102 @@ class Runner:
         if job.state in (JobState.RUNNING, JobState.WAITING_RETRY):
             self._fail(job_id, msg)
 
+    def broke(self, act: Active, what: str) -> None:
+        """Our own error while following a live attempt: stop its tree first; record once it is gone."""
+        if act.broken is None:
+            act.broken = what
+            log.error("attempt_follow_failed", job=act.job_id, attempt=act.number, error=what)
+            try:
+                self._event(act.job_id, "internal_error",
+                            f"internal error while following attempt {act.number} ({what}); stopping the "
+                            "attempt before the job is released", attempt=act.number)
+            except Exception:
+                pass
+        self.stop(act, "internal_error", self.cfg.stop_grace)
+
     def stop(self, act: Active, reason: str, grace_s: float) -> None:
+        """Ask the attempt to stop: SIGTERM now, SIGKILL at the deadline (never blocks the loop)."""
+        now = time.monotonic()
         if act.stopped_by is None:
             act.stopped_by = reason
             act.detected_at = self.clock()
-        proctree.terminate(act.handle, grace_s=grace_s)
+        if act.stop_sent_mono is None:
+            act.stop_sent_mono, act.stop_sent_wall = now, self.clock()
+            act.stop_deadline = now + grace_s
+            proctree.signal_tree(act.handle, signal.SIGTERM)
+        else:
+            act.stop_deadline = min(act.stop_deadline or now + grace_s, now + grace_s)
+        self._advance_stop(act)
 
     # --- verdict ----------------------------------------------------------------------------------
     def finish(self, act: Active) -> None:
+        """Judge an attempt that is over and record it all in ONE transaction.
+
+        Raises (e.g. a full disk) with nothing recorded; the daemon keeps the attempt and
+        calls again, so a verdict is never half-written and the job never left behind.
+        """
         raw = proctree.read_exit(act.paths) or {}
+        stopped_by = act.stopped_by
+        if (stopped_by == "shutdown" and raw.get("ended_at") and act.stop_sent_wall
+                and raw["ended_at"] < act.stop_sent_wall and raw.get("returncode") is not None):
+            stopped_by = None  # it ended on its own just before our stop: judge it as such
         exit_rec = ExitRecord(returncode=raw.get("returncode"), signal=raw.get("signal"),
-                              duration_s=raw.get("duration_s"), stopped_by=act.stopped_by)
+                              duration_s=raw.get("duration_s"), stopped_by=stopped_by,
+                              launch_error=raw.get("launch_error") or raw.get("error") or act.launch_failure)
         host = self._host_evidence(act, raw)
-        if act.handle.cgroup is not None:
-            act.handle.cgroup.remove()
-        diagnosis = act.scanner.finish(exit_rec, host)
-        atomic_write_json(act.paths.diagnosis, diagnosis.to_dict())
+        try:
+            diagnosis = act.scanner.finish(exit_rec, host)
+        except Exception as exc:
+            log.exception("diagnosis_failed", job=act.job_id)
+            act.broken = act.broken or f"diagnosis failed: {exc!r}"
+            diagnosis = Diagnosis(Category.UNKNOWN, f"the supervisor could not diagnose the log ({exc!r})")
+        atomic_write_json(act.paths.diagnosis, diagnosis.to_dict(), mode=0o600)
         progress = self._progress(act)
+        job = self.store.job(act.job_id)
+        cancel = stopped_by == "cancel" or bool(job and job.cancel_requested)
+        decision = None
+        if not cancel and stopped_by not in ("shutdown", "vanished") and act.broken is None:
+            decision = self.decide(act.job_id, diagnosis)
         fields: dict[str, Any] = dict(
             ended_at=raw.get("ended_at") or self.clock(), exit=json.dumps(exit_rec.to_dict()),
             diagnosis=json.dumps(diagnosis.to_dict()), detected_at=act.detected_at,
             peak_rss_bytes=host.peak_rss_bytes, **progress)
-        self.store.update_attempt(act.job_id, act.number, **fields)
-        self._event(act.job_id, "attempt_ended",
-                    f"attempt {act.number} ended: {_exit_words(exit_rec)}; diagnosis {diagnosis.category}"
-                    + (f"/{diagnosis.subkind}" if diagnosis.subkind else "") + f": {diagnosis.summary}",
-                    attempt=act.number, teardown_s=act.teardown_s)
-
-        job_now = self.store.job(act.job_id)
-        if act.stopped_by == "cancel" or (job_now is not None and job_now.cancel_requested):
-            self.store.update_attempt(act.job_id, act.number, decision=json.dumps({"kind": "cancelled"}))
-            self.store.transition(act.job_id, JobState.CANCELLED, "cancelled by the user")
-            self.notifier.send(self._job_event(act.job_id, "cancelled", "cancelled by the user"))
-            return
-        if act.stopped_by == "shutdown":
-            self.store.update_attempt(act.job_id, act.number, interrupted=1,
-                                      decision=json.dumps({"kind": "interrupted"}))
-            self.store.transition(act.job_id, JobState.INTERRUPTED,
-                                  "the supervisor stopped; resumes from the last complete checkpoint")
-            return
-        self.decide_and_apply(act.job_id, act.number, diagnosis)
+        with self.store.tx():
+            job = self.store.job(act.job_id)
+            self.store.update_attempt(act.job_id, act.number, **fields)
+            self._event(act.job_id, "attempt_ended",
+                        f"attempt {act.number} ended: {_exit_words(exit_rec)}; diagnosis {diagnosis.category}"
+                        + (f"/{diagnosis.subkind}" if diagnosis.subkind else "") + f": {diagnosis.summary}",
+                        attempt=act.number, teardown_s=act.teardown_s)
+            if job is None or job.state != JobState.RUNNING:
+                self._event(act.job_id, "attempt_orphan_record",
+                            f"attempt {act.number} ended while the job was {job.state if job else 'gone'}; "
+                            "nothing more to do", attempt=act.number)
+            elif job.cancel_requested or stopped_by == "cancel":
+                self.store.update_attempt(act.job_id, act.number, decision=json.dumps({"kind": "cancelled"}))
+                self.store.transition(act.job_id, JobState.CANCELLED, "cancelled by the user")
+                self._notify(act.job_id, "cancelled", "cancelled by the user")
+            elif stopped_by in ("shutdown", "vanished"):
+                cause = "crash" if stopped_by == "vanished" else act.interrupt_cause
+                self.store.update_attempt(act.job_id, act.number, interrupted=1,
+                                          decision=json.dumps({"kind": "interrupted", "cause": cause}))
+                why = ("the supervisor stopped" if cause != "crash" else
+                       f"attempt {act.number} vanished with the daemon (no exit record)")
+                self.store.transition(act.job_id, JobState.INTERRUPTED,
+                                      f"{why}; resumes from the last complete checkpoint")
+            elif act.broken is not None:
+                self.store.update_attempt(act.job_id, act.number, decision=json.dumps(
+                    {"kind": "fail", "reason": f"internal error: {act.broken}"}))
+                self._fail(act.job_id, f"internal error while following attempt {act.number} "
+                                       f"({act.broken}); its processes are gone. `oom-supervisor retry "
+                                       f"{act.job_id}` resumes it from its last complete checkpoint")
+            else:
+                self.apply(act.job_id, act.number, decision)
+        act.log.close()
+        if act.handle.owner is not None:
+            act.handle.owner.remove(timeout_s=0.5)
+        if act.handle.cgroup is not None and (act.handle.owner is None or act.handle.cgroup.path != act.handle.owner.cgroup):
+            act.handle.cgroup.remove(timeout_s=0.5)
 
     def _progress(self, act: Active) -> dict[str, Any]:
         out: dict[str, Any] = {"max_step": act.last_step}
@@ -498,30 +673,35 @@ class Runner:
         kernel = ()
         if raw.get("signal") == "SIGKILL" or raw.get("returncode") in (137, -9) or kills:
             kernel = kernel_oom_lines(pids, since_s=raw.get("started_at") or 0)
-        mechanism = cg.mechanism if cg else ("rlimit-data" if act.spec.sup.host_memory_limit else None)
+        mechanism = cg.mechanism if cg else ("rlimit-data+sampled-sum" if act.spec.sup.host_memory_limit else None)
         return HostEvidence(cgroup_oom_kills=kills, kernel_oom_lines=kernel,
                             min_available_bytes=act.min_available, peak_rss_bytes=peak or None,
-                            memory_limit_bytes=act.spec.sup.host_memory_limit, limit_mechanism=mechanism)
+                            memory_limit_bytes=act.spec.sup.host_memory_limit, limit_mechanism=mechanism,
+                            limit_enforced_kill=act.limit_killed,
+                            free_bytes=_free_bytes([act.output_dir, act.paths.root]))
 
-    def decide_and_apply(self, job_id: int, number: int, diagnosis: Diagnosis) -> Decision:
+    def decide(self, job_id: int, diagnosis: Diagnosis) -> Decision:
+        """What to do next (the pure policy over what the record says); no writes."""
         from .policy import decide
 
-        job = self.store.job(job_id)
-        spec = self.spec_of(job_id)
         if diagnosis.category == Category.SUCCESS:
-            decision = Decision(DecisionKind.DONE, "the training command exited 0")
-        else:
-            try:
-                policy = self._policy(spec, job)
-                decision = decide(self._context(job, spec), self._history(job_id), diagnosis, policy)
-            except Exception as exc:
-                log.exception("decide_failed", job=job_id)
-                decision = Decision(DecisionKind.FAIL, f"the policy could not decide: {exc!r}")
+            return Decision(DecisionKind.DONE, "the training command exited 0")
+        job = self.store.job(job_id)
+        try:
+            spec = self.spec_of(job_id)
+            policy = self._policy(spec, job)
+            return decide(self._context(job, spec), self._history(job_id), diagnosis, policy)
+        except Exception as exc:
+            log.exception("decide_failed", job=job_id)
+            return Decision(DecisionKind.FAIL, f"the policy could not decide: {exc!r}")
+
+    def apply(self, job_id: int, number: int, decision: Decision) -> None:
+        """Record the decision and move the job (called inside finish's transaction)."""
         self.store.update_attempt(job_id, number, decision=json.dumps(decision.to_dict()))
         now = self.clock()
         if decision.kind == DecisionKind.DONE:
             self.store.transition(job_id, JobState.SUCCEEDED, decision.reason)
-            self.notifier.send(self._job_event(job_id, "succeeded", decision.reason))
+            self._notify(job_id, "succeeded", decision.reason)
         elif decision.kind == DecisionKind.FAIL:
             self._fail(job_id, decision.reason)
         elif decision.kind == DecisionKind.RETRY:
@@ -534,19 +714,41 @@ class Runner:
             self.store.transition(job_id, JobState.WAITING_RETRY,
                                   f"escalate to {decision.rung}: {decision.reason}" + (f" [{changes}]" if changes else ""),
                                   not_before=now + decision.delay_s, next_overrides=json.dumps(over.to_dict()))
-            self.notifier.send(self._job_event(job_id, "escalated", f"{decision.rung}: {decision.reason}",
-                                               changes=[c.to_dict() for c in decision.changes]))
+            self._notify(job_id, "escalated", f"{decision.rung}: {decision.reason}",
+                         changes=[c.to_dict() for c in decision.changes])
         elif decision.kind == DecisionKind.PAUSE:
             self.store.transition(job_id, JobState.WAITING_RETRY, f"queue paused: {decision.reason}",
                                   not_before=now + decision.delay_s)
             self.store.set_meta("queue_paused", f"job {job_id}: {decision.reason}")
             self.store.event(job_id, "queue_paused", decision.reason)
-            self.notifier.send(self._job_event(job_id, "paused", decision.reason))
+            self._notify(job_id, "paused", decision.reason)
+
+    def decide_and_apply(self, job_id: int, number: int, diagnosis: Diagnosis) -> Decision:
+        decision = self.decide(job_id, diagnosis)
+        with self.store.tx():
+            self.apply(job_id, number, decision)
+        self.flush_notifications()
         return decision
 
     def _fail(self, job_id: int, reason: str) -> None:
         self.store.transition(job_id, JobState.FAILED, reason)
-        self.notifier.send(self._job_event(job_id, "failed", reason))
+        self._notify(job_id, "failed", reason)
+
+    def _notify(self, job_id: int, kind: str, message: str, **extra: Any) -> None:
+        """Queue a notification; sent by `flush_notifications` once the record is committed."""
+        self._outbox.append(self._job_event(job_id, kind, message, **extra))
+
+    def flush_notifications(self) -> None:
+        out, self._outbox = self._outbox, []
+        for event in out:
+            try:
+                self.notifier.send(event)
+            except Exception:
+                log.exception("notify_failed", event=event.get("event"))
+
+    def discard_notifications(self) -> None:
+        """A transaction rolled back: what it would have announced did not happen."""
+        self._outbox = []
 
     def _job_event(self, job_id: int, kind: str, message: str, **extra: Any) -> dict[str, Any]:
         job = self.store.job(job_id)
@@ -601,67 +803,66 @@ class Runner:
 
     # --- crash recovery -------------------------------------------------------------------------------
     def recover(self, job: JobRow, adopt: bool) -> Active | None:
+        """Take a `running` job back after a restart. Whatever of its last attempt lives is
+        followed (adopted) or stopped; nothing new starts until all of it is gone."""
         attempt = self.store.last_attempt(job.id)
-        if attempt is None:
-            self.store.transition(job.id, JobState.INTERRUPTED, "daemon restarted before the attempt started")
+        if attempt is None or attempt.ended_at is not None:
+            self.store.transition(job.id, JobState.INTERRUPTED,
+                                  "daemon restarted before the attempt started" if attempt is None else
+                                  f"daemon restarted after attempt {attempt.number} ended, before its "
+                                  "verdict was recorded")
             return None
         paths = self.cfg.state.job(job.id).attempt(attempt.number)
-        handle = None
-        if attempt.pid:
-            handle = proctree.Handle(attempt.pid, attempt.pid_create_time or 0.0)
-            if handle.shim() is None:
-                handle = None
-        if handle is None and attempt.ended_at is None:
+        spec = self.spec_of(job.id)
+        tag = self.attempt_tag(job.id, attempt.number)
+        owner = Owner.for_attempt(self.owner_support, tag, paths.root / "procs.json", create=False)
+        cg = None
+        if spec.sup.host_memory_limit:
+            if owner.cgroup is not None and (owner.cgroup / "memory.max").exists():
+                cg = JobCgroup(owner.cgroup, 2)
+            elif self.cgroup_support is not None:
+                path = self.cgroup_support.parent / self._cgroup_name(job.id, attempt.number)
+                if path.exists():
+                    cg = JobCgroup(path, self.cgroup_support.version)
+        handle = proctree.Handle(attempt.pid or 0, attempt.pid_create_time or 0.0, cgroup=cg, owner=owner)
+        if handle.shim() is None:
             p = proctree.find_shim_by_launch_file(paths.launch)
             if p is not None:
-                handle = proctree.Handle(p.pid, p.create_time())
-        spec = self.spec_of(job.id)
-        cg = None
-        if self.cgroup_support is not None and spec.sup.host_memory_limit:
-            path = self.cgroup_support.parent / self._cgroup_name(job.id, attempt.number)
-            if path.exists():
-                cg = JobCgroup(path, self.cgroup_support.version)
+                handle.pid, handle.create_time = p.pid, p.create_time()
         output_dir = spec.resolve(spec.config["output_dir"]) if spec.config.get("output_dir") else None
-        if handle is not None:
-            handle.cgroup = cg
-            act = Active(job_id=job.id, number=attempt.number, paths=paths, handle=handle,
-                         scanner=LogScanner(initial_step=attempt.resumed_from_step),
-                         spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
-                         hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
-                         last_step=attempt.resumed_from_step)
-            if adopt:
+        act = Active(job_id=job.id, number=attempt.number, paths=paths, handle=handle,
+                     scanner=LogScanner(initial_step=attempt.resumed_from_step),
+                     spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
+                     hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
+                     last_step=attempt.resumed_from_step)
+        alive = handle.alive()
+        left = handle.processes(scan=True)
+        if alive or left:
+            if job.cancel_requested:
+                self._event(job.id, "attempt_stopped_on_restart",
+                            f"daemon restarted; attempt {attempt.number} still runs and a cancel was "
+                            "requested: stopping it", attempt=attempt.number)
+                self.stop(act, "cancel", self.cfg.stop_grace)
+            elif not alive:
+                self._stop_orphans(act, left)
+            elif adopt:
                 self._event(job.id, "attempt_adopted",
                             f"daemon restarted; attempt {attempt.number} (pid {handle.pid}) is still running: "
-                            "following it again", attempt=attempt.number)
-                return act
-            self._event(job.id, "attempt_stopped_on_restart",
-                        f"daemon restarted; stopping attempt {attempt.number} (pid {handle.pid}) "
-                        "before a new one starts", attempt=attempt.number)
-            self.stop(act, reason="shutdown", grace_s=self.cfg.stop_grace)
-            self.finish(act)
-            return None
-        raw = proctree.read_exit(paths)
-        if raw is not None:
-            # It ended while we were down: judge it from what it left.
-            act = Active(job_id=job.id, number=attempt.number, paths=paths,
-                         handle=proctree.Handle(attempt.pid or 0, 0.0, cgroup=cg),
-                         scanner=LogScanner(initial_step=attempt.resumed_from_step),
-                         spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
-                         hang_timeout=0, last_step=attempt.resumed_from_step)
-            self._read_log(act)
+                            f"following it again (ownership: {owner.mechanism})", attempt=attempt.number)
+            else:
+                self._event(job.id, "attempt_stopped_on_restart",
+                            f"daemon restarted; stopping attempt {attempt.number} (pid {handle.pid}) "
+                            "before a new one starts", attempt=attempt.number)
+                act.interrupt_cause = "restart"
+                self.stop(act, "shutdown", self.cfg.stop_grace)
+            return act
+        if proctree.read_exit(paths) is not None:
             self._event(job.id, "attempt_ended_while_down",
                         f"attempt {attempt.number} ended while the daemon was down; judging it from its "
                         "exit record and log", attempt=attempt.number)
-            self.finish(act)
-            return None
-        self.store.update_attempt(job.id, attempt.number, ended_at=self.clock(), interrupted=1,
-                                  decision=json.dumps({"kind": "interrupted"}))
-        self.store.transition(job.id, JobState.INTERRUPTED,
-                              f"attempt {attempt.number} vanished with the daemon (no exit record); "
-                              "resumes from the last complete checkpoint")
-        if cg is not None:
-            cg.remove(timeout_s=0.1)
-        return None
+        else:
+            act.stopped_by = "vanished"  # nothing lives and nothing was written: resume it
+        return act
 
 
 def _ds_of(spec, overrides: Overrides) -> dict | None:
@@ -693,6 +894,34 @@ def _merge_ds(files: dict[str, str], keys: dict[str, Any]) -> None:
         else:
             cfg[k] = v
     files["ds_config.json"] = json.dumps(cfg, indent=2) + "\n"
+
+
+def _free_bytes(folders: list[Path | None]) -> dict[str, int]:
+    out = {}
+    for d in folders:
+        if d is None:
+            continue
+        try:
+            st = os.statvfs(d)
+        except OSError:
+            continue
+        out[str(d)] = st.f_bavail * st.f_frsize
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _describe(procs) -> str:
+    parts = []
+    for p in list(procs)[:6]:
+        try:
+            parts.append(f"pid {p.pid} {p.name()} [{p.status()}]")
+        except psutil.Error:
+            parts.append(f"pid {p.pid}")
+    more = len(list(procs)) - len(parts)
+    return ", ".join(parts) + (f" and {more} more" if more > 0 else "")
 
 
 def _size(path: Path) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .jobspec import NotifySpec, parse_duration, suggest
+from .jobspec import NotifySpec, parse_duration, parse_size, suggest
 from .paths import SpoolPaths, StatePaths
 
 ENV_STATE = "OOM_SUPERVISOR_STATE_DIR"
@@ -126,6 +126,16 @@ class DaemonConfig(BaseModel):
     metrics: MetricsSpec | None = None       # `metrics: {}` serves 127.0.0.1:9839
     on_restart: str = "adopt"
     cgroups: str = "auto"
+    # An attempt's log past this size keeps its head and its latest part (see shim.py).
+    max_log_bytes: int = Field(default=1 << 30, ge=1 << 20)
+    # Attempts in a row cut short by a supervisor crash before the job is failed (a job that
+    # crashes the supervisor or the box would otherwise loop forever: interruptions cost no budget).
+    max_interruptions: int = Field(default=5, ge=1)
+
+    @field_validator("max_log_bytes", mode="before")
+    @classmethod
+    def _logsize(cls, v: Any) -> Any:
+        return parse_size(v)
 
     @field_validator("poll_interval", "settle_time", "stop_grace", "fatal_grace", "hang_timeout",
                      mode="before")

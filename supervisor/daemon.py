@@ -6,11 +6,20 @@ not stop the others. Signals only set a flag; the loop notices it, stops
 intake, stops running attempts gracefully (they become `interrupted`, which
 is resumable and not a failure) and exits 0.
 
-Crash rules (start-up `recover`): an attempt whose shim is still alive is
-re-adopted (pid + start time) or stopped, per config; one whose shim is gone
-is finished from the exit record the shim wrote, or marked interrupted when
-there is none. Either way nothing is lost and nothing runs twice: the state
-lock keeps a second daemon off the same state folder.
+The rule it keeps: a job is never released while a process of its previous
+attempt lives. An attempt leaves `active` only when `Handle.over()` says the
+shim and every member of its owner (cgroup, or marker + known pids) are gone
+AND its verdict is recorded; our own error while following it stops its tree
+first; a full state disk keeps it followed until the record can be written.
+
+Crash rules (start-up `recover`): whatever of the last attempt still lives is
+re-adopted or stopped, per config, through the same path; one that ended
+while we were down is judged from the exit record the shim wrote, and one
+that left nothing is interrupted (resumed, within `max_interruptions`).
+
+Nothing one job or file does may stall the loop: log reading has a budget per
+poll, stops never block (SIGTERM now, SIGKILL at a deadline, checked every
+poll), and intake has its own limits.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from typing import Any
 
 from . import attempts as attempt_mod
 from .config import DaemonConfig
+from .diskfull import describe_full, free_bytes, is_disk_full
 from .logsetup import log
 from .notify import Notifier
 from .paths import StatePaths
@@ -70,6 +80,9 @@ class Daemon:
     clock: Any = time.time
     active: dict[int, attempt_mod.Active] = field(default_factory=dict)
     stopping: bool = False
+    disk_full: str | None = None  # why the state folder cannot be written, while it cannot
+    finish_failures: dict[int, int] = field(default_factory=dict)
+    last_tick_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.state: StatePaths = self.cfg.state
@@ -87,9 +100,13 @@ class Daemon:
         self.store = Store(self.state.db, clock=self.clock)
         self.runner = attempt_mod.Runner(self.cfg, self.store, self.notifier, clock=self.clock)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        owner = self.runner.owner_support
+        ownership = (owner.describe() if owner else "process tree + attempt marker (no cgroup could be made "
+                     "here: run as root or with a delegated cgroup for cgroup ownership)")
         log.info("daemon_started", pid=os.getpid(), state_dir=str(self.state.root),
-                 spool_dir=str(self.cfg.spool.root), cgroups=str(self.runner.cgroup_support))
-        self.store.event(None, "daemon", f"daemon started (pid {os.getpid()})")
+                 spool_dir=str(self.cfg.spool.root), memory_cgroups=str(self.runner.cgroup_support),
+                 ownership=ownership)
+        self.store.event(None, "daemon", f"daemon started (pid {os.getpid()}); attempt ownership: {ownership}")
         try:
             self.recover()
             while not self.stopping:
@@ -116,48 +133,111 @@ class Daemon:
         end = time.monotonic() + seconds
         while not self.stopping and time.monotonic() < end:
             time.sleep(min(0.02, max(0.0, end - time.monotonic())))
-            if any(_log_grew(act) for act in self.active.values()):
-                self._run_step("monitor", self.step_monitor)  # only the cheap step, not a full tick
+            if any(act.log.pending() > 0 for act in self.active.values()):
+                # only the cheap steps, not a full tick: a cancel must not wait behind a flood
+                self._run_step("control", self.step_control)
+                self._run_step("monitor", self.step_monitor)
 
     def tick(self) -> None:
+        began = time.monotonic()
+        if self.disk_full is not None:
+            self._check_disk_back()
         for name, step in self.steps:
-            if self.stopping and name in ("intake", "schedule"):
+            if (self.stopping or self.disk_full) and name in ("intake", "schedule"):
                 continue
             self._run_step(name, step)
+        self.runner.flush_notifications()
         self.notifier.reap()
+        self.last_tick_s = time.monotonic() - began
 
     def _run_step(self, name: str, step) -> None:
         try:
             step()
         except Exception as exc:  # one failing step must not stop the loop
+            if is_disk_full(exc):
+                self._on_disk_full(exc)
+                return
             log.exception("step_failed", step=name)
             try:
                 self.store.event(None, "daemon_error", f"step {name} failed: {exc!r}")
             except Exception:
                 pass
 
+    def _on_disk_full(self, exc: BaseException) -> None:
+        self.runner.discard_notifications()
+        if self.disk_full is None:
+            self.disk_full = describe_full(self.state.root, exc)
+            log.error("state_disk_full", message=self.disk_full, running=sorted(self.active))
+
+    def _check_disk_back(self) -> None:
+        """Recover by ourselves once the state folder takes writes again."""
+        free = free_bytes(self.state.root)
+        if free is not None and free < (1 << 20):
+            return
+        try:
+            self.store.set_meta("state_disk_ok_at", str(self.clock()))
+            self.store.event(None, "daemon", f"the state folder has room again; resuming ({self.disk_full})")
+        except Exception as exc:
+            if not is_disk_full(exc):
+                log.exception("disk_probe_failed")
+            return
+        log.info("state_disk_recovered", was=self.disk_full)
+        self.disk_full = None
+
     def _per_job(self, job_id: int, what: str, fn, *args):
-        """Run fn for one job; an error fails THAT job (retry-able) instead of every tick."""
+        """Run fn for one job; an error is THAT job's problem, never every tick's.
+
+        A job with a live attempt is never released here: its tree is stopped first and the
+        verdict recorded once it is gone (Runner.broke). A full state disk fails nothing:
+        the record waits for room.
+        """
         try:
             return fn(*args)
         except Exception as exc:
+            if is_disk_full(exc):
+                self._on_disk_full(exc)
+                return None
             log.exception("job_step_failed", job=job_id, step=what)
-            self.active.pop(job_id, None)
+            act = self.active.get(job_id)
+            if act is not None:
+                try:
+                    self.runner.broke(act, f"{what}: {exc!r}")
+                except Exception:
+                    log.exception("stop_after_internal_error_failed", job=job_id)
+                return None
             try:
                 self.runner.internal_failure(job_id, f"{what}: {exc!r}")
-            except Exception:
-                log.exception("internal_failure_not_recorded", job=job_id)
+            except Exception as inner:
+                if is_disk_full(inner):
+                    self._on_disk_full(inner)
+                else:
+                    log.exception("internal_failure_not_recorded", job=job_id)
             return None
 
     def shutdown(self) -> None:
-        """Stop running attempts gracefully; they are interrupted, not failed."""
-        for job_id in list(self.active):
-            act = self.active.pop(job_id)
+        """Stop every running attempt at once against one deadline; they are interrupted, not
+        failed. An attempt that ended on its own meanwhile is judged as usual. One whose
+        processes will not die keeps its job `running` (held) and is said so."""
+        for job_id, act in list(self.active.items()):
             try:
                 self.runner.stop(act, reason="shutdown", grace_s=self.cfg.stop_grace)
-                self.runner.finish(act)
             except Exception:
                 log.exception("shutdown_stop_failed", job=job_id)
+        deadline = time.monotonic() + self.cfg.stop_grace + attempt_mod.STUCK_AFTER_S
+        while self.active and time.monotonic() < deadline:
+            self._run_step("monitor", self.step_monitor)
+            if self.active:
+                time.sleep(0.05)
+        for job_id, act in self.active.items():
+            msg = (f"the supervisor stops but attempt {act.number} still has processes "
+                   f"({attempt_mod._describe(act.handle.processes())}); the job stays running (held) and "
+                   "the next start of the supervisor takes it back")
+            log.error("shutdown_left_processes", job=job_id, message=msg)
+            try:
+                self.store.event(job_id, "attempt_stuck", msg, attempt=act.number)
+            except Exception:
+                pass
+        self.runner.flush_notifications()
         self.notifier.reap(wait=True)
 
     # --- steps ----------------------------------------------------------------------
@@ -167,16 +247,40 @@ class Daemon:
 
     def step_control(self) -> None:
         """Act on requests the CLI left in the record (cancel of a running job)."""
+        if not self.active:
+            return
+        wanted = self.store.cancel_requested_ids()
         for job_id, act in list(self.active.items()):
-            job = self.store.job(job_id)
-            if job is not None and job.cancel_requested and act.stopped_by is None:
+            if job_id in wanted and act.stopped_by != "cancel":
                 self._per_job(job_id, "cancel", self.runner.stop, act, "cancel", self.cfg.stop_grace)
+                if act.stopped_by != "cancel" and act.stopped_by not in ("shutdown",):
+                    act.stopped_by = "cancel"  # already stopping for another reason: the user's word wins
 
     def step_monitor(self) -> None:
         for job_id, act in list(self.active.items()):
-            if self._per_job(job_id, "follow", self.runner.poll, act):
+            if not self._per_job(job_id, "follow", self.runner.poll, act):
+                continue
+            try:
+                self.runner.finish(act)
+            except Exception as exc:
+                self.runner.discard_notifications()
+                if is_disk_full(exc):
+                    self._on_disk_full(exc)  # its processes are gone; the verdict waits for room
+                    continue
+                n = self.finish_failures[job_id] = self.finish_failures.get(job_id, 0) + 1
+                log.exception("judge_failed", job=job_id, failures=n)
+                if n < 3:
+                    continue
+                # Everything of it is gone (poll said so): releasing the job is safe now.
+                self.finish_failures.pop(job_id, None)
                 del self.active[job_id]
-                self._per_job(job_id, "judge the attempt", self.runner.finish, act)
+                self._per_job(job_id, "judge the attempt", self._give_up_judging, job_id, exc)
+                continue
+            self.finish_failures.pop(job_id, None)
+            del self.active[job_id]
+
+    def _give_up_judging(self, job_id: int, exc: BaseException) -> None:
+        self.runner.internal_failure(job_id, f"judge the attempt: {exc!r}")
 
     def step_schedule(self) -> None:
         paused = self.store.get_meta("queue_paused")
@@ -196,6 +300,7 @@ class Daemon:
                 self.active[job.id] = act
 
     def _gpus_free(self, job: JobRow) -> bool:
+        """A job without `gpus:` may use every GPU: it runs alone, as does anything beside it."""
         want = self.runner.gpus_of(job.id)
         for act in self.active.values():
             have = act.gpus
@@ -205,15 +310,10 @@ class Daemon:
 
     # --- crash recovery ----------------------------------------------------------------
     def recover(self) -> None:
+        """Take back every `running` job (whatever of its attempt lives) before scheduling anything."""
         for job in self.store.jobs({JobState.RUNNING}):
             act = self._per_job(job.id, "recover after restart", self.runner.recover, job,
                                 self.cfg.on_restart == "adopt")
             if act is not None:
                 self.active[job.id] = act
 
-
-def _log_grew(act: attempt_mod.Active) -> bool:
-    try:
-        return os.stat(act.paths.log).st_size > act.offset
-    except OSError:
-        return False

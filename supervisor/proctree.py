@@ -6,6 +6,12 @@ for our job after a daemon restart. Stopping is SIGTERM to every process of
 the tree (the group is not enough: torchrun workers leave the launcher's
 process group), then SIGKILL to whatever is left at ONE deadline, then the
 shim reaps and exits.
+
+The attempt's `Owner` (ownership.py) is the last word on whether anything of
+it still lives: the shim's descendants are only what is still attached.
+Stopping is split into `signal_tree` and `kill_tree` so the daemon can stop
+many attempts at once, each against one deadline, without blocking its loop;
+`terminate` is the blocking form for one attempt.
 """
 
 from __future__ import annotations
@@ -23,7 +29,11 @@ import psutil
 
 from .fsutil import atomic_write_json
 from .limits import JobCgroup
+from .ownership import Owner
 from .paths import AttemptPaths
+
+
+SHIM_GRACE_S = 10.0  # after its job is gone, how long the shim may take to reap and write exit.json
 
 
 @dataclass
@@ -33,9 +43,12 @@ class Handle:
     pid: int
     create_time: float
     popen: subprocess.Popen | None = None
-    cgroup: JobCgroup | None = None
+    cgroup: JobCgroup | None = None  # the memory cgroup, when a limit asked for one
+    owner: Owner | None = None
 
     def shim(self) -> psutil.Process | None:
+        if self.pid <= 0:
+            return None
         try:
             p = psutil.Process(self.pid)
             if abs(p.create_time() - self.create_time) > 0.05 or p.status() == psutil.STATUS_ZOMBIE:
@@ -49,8 +62,10 @@ class Handle:
             return self.popen.poll() is None
         return self.shim() is not None
 
-    def processes(self) -> list[psutil.Process]:
-        """The shim's descendants plus anything in the attempt's cgroup."""
+    def processes(self, *, scan: bool = False) -> list[psutil.Process]:
+        """Every live process of the attempt except the shim: its descendants, the
+        members of its ownership and memory cgroups (and, with `scan` and no
+        ownership cgroup, every process carrying the attempt's marker)."""
         procs: dict[int, psutil.Process] = {}
         shim = self.shim()
         if shim is not None:
@@ -59,14 +74,28 @@ class Handle:
                     procs[p.pid] = p
             except psutil.NoSuchProcess:
                 pass
+        extra: list[psutil.Process] = []
+        if self.owner is not None:
+            extra += self.owner.members(scan=scan)
         if self.cgroup is not None:
             for pid in self.cgroup.pids():
-                if pid not in procs and pid != self.pid:
-                    try:
-                        procs[pid] = psutil.Process(pid)
-                    except psutil.NoSuchProcess:
-                        pass
+                try:
+                    extra.append(psutil.Process(pid))
+                except psutil.NoSuchProcess:
+                    pass
+        for p in extra:
+            if p.pid not in procs and p.pid != self.pid:
+                try:
+                    if p.status() != psutil.STATUS_ZOMBIE:
+                        procs[p.pid] = p
+                except psutil.Error:
+                    pass
         return list(procs.values())
+
+    def over(self) -> bool:
+        """True only when the shim and every process of the attempt are gone."""
+        self.reap()
+        return not self.alive() and not self.processes(scan=True)
 
     def rss_bytes(self) -> int:
         """Resident memory of the job (shim excluded), cgroup usage when there is one."""
@@ -91,7 +120,8 @@ class Handle:
 
 
 def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
-           rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None) -> Handle:
+           rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
+           owner: Owner | None = None, max_log_bytes: int | None = None) -> Handle:
     """Write launch.json and start the shim in a new session (no shell)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -102,6 +132,8 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
         "exit_record": str(paths.exit_record),
         "rlimits": rlimits or {},
         "cgroup_procs": str(cgroup.procs_file) if cgroup else None,
+        "owner_procs": str(owner.procs_file) if owner is not None and owner.procs_file else None,
+        "max_log_bytes": max_log_bytes,
     }
     atomic_write_json(paths.launch, spec, mode=0o600)  # the environment may hold tokens
     with open(paths.log, "ab") as log:
@@ -115,7 +147,7 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
         create_time = psutil.Process(popen.pid).create_time()
     except psutil.NoSuchProcess:  # died at once; exit.json or its absence will tell
         create_time = time.time()
-    return Handle(popen.pid, create_time, popen, cgroup)
+    return Handle(popen.pid, create_time, popen, cgroup, owner)
 
 
 def _package_root() -> str:
@@ -124,39 +156,49 @@ def _package_root() -> str:
     return f"{root}{os.pathsep}{extra}" if extra else root
 
 
-def terminate(handle: Handle, *, grace_s: float, clock=time.monotonic) -> float:
-    """SIGTERM the whole tree, SIGKILL what is left at one deadline; wait for the shim.
+def signal_tree(handle: Handle, sig: int = signal.SIGTERM) -> None:
+    """Send `sig` to every process of the attempt (not the shim: it forwards and waits)."""
+    _signal(handle.processes(scan=True), sig)
 
-    Returns the seconds it took until every process of the attempt was gone.
+
+def kill_tree(handle: Handle, *, shim_too: bool = False) -> None:
+    """SIGKILL every process of the attempt. The shim is spared (it reaps and writes the
+    exit record) unless `shim_too`: for a shim that is stuck although its job is gone."""
+    shim = handle.shim()
+    if handle.owner is not None:
+        handle.owner.kill(spare=None if (shim is None or shim_too) else shim.pid)
+    if handle.cgroup is not None and (handle.owner is None or handle.owner.cgroup != handle.cgroup.path):
+        handle.cgroup.kill_all()
+    _signal(handle.processes(scan=True), signal.SIGKILL)
+    if shim_too and shim is not None:
+        _signal([shim], signal.SIGKILL)
+    handle.reap()
+
+
+def terminate(handle: Handle, *, grace_s: float, clock=time.monotonic) -> float:
+    """SIGTERM the whole tree, SIGKILL what is left at one deadline; wait until it is over.
+
+    Returns the seconds it took until every process of the attempt was gone (it
+    gives up after 10 s more: processes in uninterruptible sleep keep the
+    attempt alive, and the caller must keep the job held).
     """
     start = clock()
     deadline = start + grace_s
-    _signal(handle.processes(), signal.SIGTERM)
+    signal_tree(handle, signal.SIGTERM)
     while clock() < deadline:
         if not handle.processes():
             break
         time.sleep(0.02)
-    left = handle.processes()
-    if left:
-        if handle.cgroup is not None:
-            handle.cgroup.kill_all()
-        _signal(left, signal.SIGKILL)
-    # The shim now reaps, writes exit.json and exits; give it a moment.
-    shim_deadline = clock() + 10.0
-    while handle.alive() and clock() < shim_deadline:
-        _signal(handle.processes(), signal.SIGKILL)
+    if handle.processes(scan=True):
+        kill_tree(handle)
+    end = clock() + SHIM_GRACE_S
+    while not handle.over() and clock() < end:
+        if handle.processes():
+            kill_tree(handle)
         time.sleep(0.02)
-    if handle.alive() and not handle.processes():
-        shim = handle.shim()  # its job is gone but it is stuck: force it
-        if shim is not None:
-            _signal([shim], signal.SIGKILL)
-    # Processes that survive SIGKILL (uninterruptible sleep in a hung driver) keep the shim, and
-    # so the attempt, alive: it is not over, and no new attempt may take its GPUs, until they go.
-    if handle.popen is not None and not handle.processes():
-        try:
-            handle.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+    if not handle.over() and not handle.processes(scan=True):
+        kill_tree(handle, shim_too=True)  # its job is gone but it is stuck: force it
+        handle.reap()
     return clock() - start
 
 

@@ -9,6 +9,18 @@ that lose their parent (torchrun workers, dataloader workers) stay in its tree
 and are reaped here; when the main command ends, stragglers are stopped, so an
 attempt never leaves orphans behind, with or without the daemon.
 
+Ownership: before it forks the command, the shim joins the attempt's
+ownership cgroup (when the daemon made one), so every process of the attempt,
+whatever it does to its session or parent, stays countable and killable after
+the shim itself is gone. If it cannot join, it runs nothing: an attempt the
+daemon could lose track of is worse than one that did not start.
+
+Log cap: the log is the command's own stdout/stderr (no pipe through us, so a
+dead shim never breaks the training's output). A small thread checks its size;
+past `max_log_bytes` it keeps the head once (`<log>.head`) and the latest part
+(`<log>.1`), then truncates the log in place (the command writes with
+O_APPEND, so its next line lands at the new start).
+
 It stays tiny on purpose: stdlib only, no torch, no supervisor imports beyond
 atomic writes.
 """
@@ -21,6 +33,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,12 +86,73 @@ def _preexec(spec: dict) -> None:
         res = getattr(resource, name)
         resource.setrlimit(res, (int(value), int(value)))
     procs = spec.get("cgroup_procs")
-    if procs:
+    if procs and procs != spec.get("owner_procs"):  # v1: memory is another hierarchy
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def _signal_name(signum: int) -> str:
+    """SIGKILL, or SIGRTMIN+3 for real-time signals (no name in the enum)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        if signal.SIGRTMIN <= signum <= signal.SIGRTMAX:
+            return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
+        return f"SIG{signum}"
+
+
+def _join_owner(spec: dict) -> str | None:
+    """Join the attempt's ownership cgroup; the reason when that is impossible."""
+    procs = spec.get("owner_procs")
+    if not procs:
+        return None
+    try:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as exc:
+        return f"cannot join the attempt's ownership cgroup {procs}: {exc}"
+    return None
+
+
+def _cap_log(log_path: str, log_fd: int, cap: int, stop: threading.Event) -> None:
+    """Keep the log under `cap` bytes: head once, the latest part, then truncate in place."""
+    head_bytes = min(cap // 4, 64 << 20)
+    keep = cap // 4
+    head_done = os.path.exists(log_path + ".head")
+    dropped = 0
+    while not stop.wait(0.1):
+        try:
+            size = os.fstat(log_fd).st_size
+            if size <= cap:
+                continue
+            with open(log_path, "rb") as src:
+                if not head_done:
+                    _copy_to(src, 0, head_bytes, log_path + ".head")
+                    head_done = True
+                # Copy up to what is there right now, then truncate at once: what the command writes
+                # in between is the only part lost (microseconds of a flood).
+                end = os.fstat(log_fd).st_size
+                _copy_to(src, max(0, end - keep), end - max(0, end - keep), log_path + ".1")
+                size = max(size, end)
+            os.ftruncate(log_fd, 0)
+            dropped += size
+            os.write(log_fd, (f"[oom-supervisor] log over {cap} bytes: truncated here "
+                              f"({dropped} bytes so far; first {head_bytes} in {log_path}.head, "
+                              f"the latest {keep} before this line in {log_path}.1)\n").encode())
+        except OSError:
+            continue
+
+
+def _copy_to(src, offset: int, length: int, dest: str) -> None:
+    src.seek(offset)
+    data = src.read(length)
+    tmp = dest + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, dest)
 
 
 def _write_exit(path: Path, record: dict) -> None:
@@ -103,16 +177,25 @@ def main(argv: list[str]) -> int:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, forward)
 
-    log_fd = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log_fd = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     started = time.time()
+    refused = _join_owner(spec)
+    if refused is not None:
+        os.write(log_fd, f"oom-supervisor: {refused}; nothing was started\n".encode())
+        _write_exit(exit_path, {"returncode": 126, "signal": None, "launch_error": refused,
+                                "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
+        return 126
+    # exec errors come back on a close-on-exec pipe: empty when exec succeeded.
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
         pid = os.fork()
     except OSError as exc:
-        _write_exit(exit_path, {"returncode": 127, "signal": None, "error": f"fork failed: {exc}",
+        _write_exit(exit_path, {"returncode": 127, "signal": None, "launch_error": f"fork failed: {exc}",
                                 "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
         return 127
     if pid == 0:  # child
         try:
+            os.close(err_r)
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
             os.dup2(log_fd, 1)
@@ -122,10 +205,26 @@ def main(argv: list[str]) -> int:
             os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
         except BaseException as exc:  # exec failed: say so in the log, exit like a shell would
             try:
-                os.write(2, f"oom-supervisor: cannot start {spec['argv'][0]!r}: {exc}\n".encode())
+                msg = f"cannot start {spec['argv'][0]!r} in {spec.get('cwd')!r}: {exc}"
+                os.write(err_w, msg.encode()[:4000])
+                os.write(2, f"oom-supervisor: {msg}\n".encode())
             finally:
                 os._exit(127)
-    os.close(log_fd)
+    os.close(err_w)
+    launch_error = b""
+    while True:
+        try:
+            part = os.read(err_r, 4096)
+        except InterruptedError:
+            continue
+        if not part:
+            break
+        launch_error += part
+    os.close(err_r)
+    stop_cap = threading.Event()
+    cap = int(spec.get("max_log_bytes") or 0)
+    if cap > 0:
+        threading.Thread(target=_cap_log, args=(spec["log"], log_fd, cap, stop_cap), daemon=True).start()
 
     status = None
     while status is None:
@@ -138,6 +237,7 @@ def main(argv: list[str]) -> int:
         if wpid == pid:
             status = wstatus
     ended = time.time()
+    stop_cap.set()
 
     # The main command is gone: stop whatever it left behind, then reap it all.
     deadline = time.monotonic() + STRAGGLER_GRACE_S
@@ -160,8 +260,10 @@ def main(argv: list[str]) -> int:
         record = {"returncode": None, "signal": None, "error": "lost track of the main process"}
     else:
         code = os.waitstatus_to_exitcode(status)
-        record = {"returncode": code,
-                  "signal": signal.Signals(-code).name if code < 0 else None}
+        record = {"returncode": code, "signal": _signal_name(-code) if code < 0 else None}
+    if launch_error:
+        record["launch_error"] = launch_error.decode("utf-8", "replace")
+    os.close(log_fd)
     record.update(started_at=started, ended_at=ended, duration_s=round(ended - started, 3), pid=pid)
     _write_exit(exit_path, record)
     code = record["returncode"]

@@ -163,6 +163,10 @@ class SchemaTooNew(RuntimeError):
     pass
 
 
+class StateChanged(RuntimeError):
+    """A compare-and-set transition found the job in another state."""
+
+
 class Store:
     def __init__(self, path: Path, *, clock=time.time) -> None:
         self.path = path
@@ -267,12 +271,23 @@ class Store:
         rows = [JobRow.from_row(r) for r in self.conn.execute("SELECT * FROM jobs ORDER BY id")]
         return [j for j in rows if states is None or j.state in states]
 
-    def transition(self, job_id: int, new: JobState, reason: str, **fields_: Any) -> JobRow:
-        """Move a job to `new` (checked against the table) and record why."""
+    def cancel_requested_ids(self) -> set[int]:
+        return {r[0] for r in self.conn.execute("SELECT id FROM jobs WHERE cancel_requested=1")}
+
+    def transition(self, job_id: int, new: JobState, reason: str, *, expect: set[JobState] | None = None,
+                   **fields_: Any) -> JobRow:
+        """Move a job to `new` (checked against the table) and record why.
+
+        `expect`: compare-and-set; the move happens only if the job is in one of these states
+        under the write lock (raises StateChanged otherwise), so a decision made on a state
+        read earlier never lands on a job that has moved since.
+        """
         with self.tx() as c:
             job = self.job(job_id)
             if job is None:
                 raise KeyError(f"no job {job_id}")
+            if expect is not None and job.state not in expect:
+                raise StateChanged(f"job {job_id} is {job.state}, not {'/'.join(sorted(expect))}")
             check_transition(job_id, job.state, new)
             sets = {"state": str(new), "updated_at": self.clock(), "reason": reason, **fields_}
             c.execute(f"UPDATE jobs SET {', '.join(f'{k}=?' for k in sets)} WHERE id=?",

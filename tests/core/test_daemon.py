@@ -13,6 +13,11 @@ CUDA_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 
             "capacity of 79.15 GiB of which 1.02 GiB is free. Process 4242 has 78.12 GiB memory in use. Of the "
             "allocated memory 75.10 GiB is allocated by PyTorch, and 1.50 GiB is reserved by PyTorch but "
             "unallocated.")
+# How a rank really reports it: the exception line that ends a traceback (structural evidence).
+CUDA_OOM_TRACEBACK = ("[rank0]: Traceback (most recent call last):\n"
+                      '[rank0]:   File "/opt/train.py", line 42, in <module>\n'
+                      "[rank0]:     loss.backward()\n"
+                      f"[rank0]: {CUDA_OOM}")
 
 
 def marker(tmp_path) -> str:
@@ -50,7 +55,7 @@ def test_fatal_line_tears_the_attempt_down_at_once(daemon, tmp_path):
     """An OOM on one rank while the others block: we do not wait for them."""
     daemon.start()
     script = ("import sys,time,signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-              f"print({CUDA_OOM!r}, flush=True)\ntime.sleep(600)\n")
+              f"print({CUDA_OOM_TRACEBACK!r}, flush=True)\ntime.sleep(600)\n")
     (tmp_path / "work" / "oom.py").write_text(script)
     drop(daemon.spool, "oom.yaml", command_job(tmp_path / "work", [sys.executable, "oom.py", marker(tmp_path)],
                                                max_attempts=1))
@@ -280,7 +285,7 @@ def test_shim_killed_from_outside_leaves_no_orphan_training(daemon, tmp_path):
 def test_a_program_that_survives_its_own_oom_can_opt_out_of_early_teardown(daemon, tmp_path):
     """accelerate's find_executable_batch_size catches the OOM, halves the batch and goes on."""
     daemon.start()
-    script = (f"import time\nprint({CUDA_OOM!r}, flush=True)\nprint('retrying with a smaller batch', "
+    script = (f"import time\nprint({CUDA_OOM_TRACEBACK!r}, flush=True)\nprint('retrying with a smaller batch', "
               "flush=True)\ntime.sleep(1.5)\nprint('done', flush=True)\n")
     (tmp_path / "work" / "recovers.py").write_text(script)
     drop(daemon.spool, "r.yaml", command_job(tmp_path / "work", [sys.executable, "recovers.py"],
