@@ -453,7 +453,7 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
 
     by_signal = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", "SIGTERM": "sigterm", "SIGINT": "interrupted"}
     hint = _pick_hint(active)
-    if signal in by_signal and (hint is None or hint.tier != ROOT):
+    if signal in by_signal and (hint is None or hint.tier not in (ROOT, COMM)):
         return _plain(Category.CRASH_OTHER, by_signal[signal],
                       f"Ended by {signal} with no recognised error in the log.", state, _tail_evidence(state))
 
@@ -518,8 +518,12 @@ def _pick_structural(findings: list[Finding]) -> Finding | None:
 def _pick_hint(active: list[Finding]) -> Finding | None:
     hints = [f for f in active if not f.structural]
     first = _pick(hints, ROOT)
+    # A watchdog timeout explains the comm aborts printed around it (before it, too).
+    comm = _pick([f for f in hints if f.rule == "nccl_timeout"], COMM) or _pick(hints, COMM)
     if first is None:
-        later = [f for f in (_pick(hints, COMM), _pick(hints, CRASH)) if f is not None]
+        # An abort/segfault marker is how a comm failure ends a rank, not a cause beside it.
+        crash = _pick([f for f in hints if comm is None or f.rule not in ("abort", "segfault", "bus_error")], CRASH)
+        later = [f for f in (comm, crash) if f is not None]
         first = min(later, key=lambda f: (f.line_no, f.seq)) if later else None
     return first or _pick(hints, HINT)
 

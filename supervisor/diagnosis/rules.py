@@ -62,7 +62,9 @@ _PREFIX_RE = re.compile(
 _GLUED_RANK_RE = re.compile(r"\[(?:rank|default)\d+\]:")
 _RANK_ANYWHERE_RE = re.compile(r"\[(?:rank|default)(\d+)\]:|\[(?:PG [^\]]*?)?Rank (\d+)\]")
 _EXC_RE = re.compile(
-    r"^(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))(?::\s?(?P<msg>.*))?$"
+    r"^(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
+    # any CamelCase class with a module path: triton.runtime.errors.OutOfResources
+    r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*)(?::\s?(?P<msg>.*))?$"
 )
 FRAME_RE = re.compile(r'File "(?P<path>[^"]*)", line \d+, in (?P<func>[\w<>.]+)')
 ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
@@ -239,6 +241,18 @@ _VLLM_START_RE = re.compile(
 )
 _BATCH_EXHAUSTED_RE = re.compile(r"No executable batch size found, reached zero")
 
+# Other frameworks' OOM dialects (generic `command:` jobs).
+_TF_OOM_RE = re.compile(r"OOM when allocating tensor(?: with shape\s*\[[^\]]*\])?(?P<rest>.*)")
+_XLA_OOM_RE = re.compile(r"RESOURCE_EXHAUSTED: Out of memory (?:while trying to allocate|allocating) (\d+) bytes")
+_GGML_OOM_RE = re.compile(
+    r"(?:cuda|hip)Malloc failed: out of memory|failed to allocate (?P<dev>CUDA|ROCm|HIP|Vulkan|SYCL)\d* buffer(?: of size (?P<size>\d+))?"
+    r"|unable to allocate (?:CUDA|ROCm|HIP)\d* buffer|ggml_cuda_host_malloc: failed to allocate"
+)
+_GGML_ALLOC_MIB_RE = re.compile(r"allocating ([\d.]+) MiB on device")
+_BNB_OOM_RE = re.compile(r"\bError out of memory at line \d+ in file \S*(?:bitsandbytes|csrc)\S*")
+_TRITON_RES_RE = re.compile(r"out of resources?: (?P<what>shared memory|registers|\w+)(?:, Required: (?P<req>\d+))?"
+                            r"(?:, Hardware limit(?:ation)?: (?P<lim>\d+))?")
+
 # --- host OOM -------------------------------------------------------------
 _CPU_ALLOC_RE = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)")
 _CPU_TRIED_RE = re.compile(r"you tried to allocate (\d+) bytes")
@@ -267,6 +281,13 @@ _WATCHDOG_RE = re.compile(
     r"|[Hh]eartbeat monitor timed out|watchdog got stuck|timed out in blocking wait"
 )
 _RAN_FOR_RE = re.compile(r"ran for (\d+) milliseconds")
+# A watchdog timeout that shows up only as its C++ frames, or torch's summary line.
+_WATCHDOG_FRAME_RE = re.compile(r"WorkNCCL::checkTimeout|Timeout at NCCL work: \d+")
+_WATCHDOG_OTHER_FRAME_RE = re.compile(r"ProcessGroupNCCL::(?:watchdogHandler|ncclCommWatchdog)|ncclCommWatchdog\b")
+_IPC_RE = re.compile(
+    r"\b(?:hip|cuda)Ipc(?:Open|Get)MemHandle\b.*(?:fail|error|invalid)|(?:fail|error)\w*.*\b(?:hip|cuda)Ipc(?:Open|Get)MemHandle"
+    r"|failed to open (?:CUDA|HIP) IPC handle|RCCL.*\bIPC\b.*(?:fail|error)|ncclP2pImportShareableBuffer.*fail"
+)
 _NCCL_ERR_RE = re.compile(
     r"\bncclUnhandledCudaError\b|\bncclSystemError\b|\bncclInternalError\b|\bncclRemoteError\b"
     r"|NCCL [Ee]rror|DistBackendError|NCCL communicator was aborted|ProcessGroupNCCL is aborted"
@@ -411,6 +432,9 @@ _RULE_TRIGGERS = (
     "NaN", "non-finite", "Loss is", "exitcode", "SIGKILL", "Signal", "killed by signal", "Killed",
     "SIGSEGV", "Segmentation fault", "Aborted", "SIGABRT", "terminate called", "us error", "SIGBUS",
     "shared memory", "device-side assert", "ChildFailedError", "cannot start",
+    "OOM when allocating", "RESOURCE_EXHAUSTED", "Malloc failed", "failed to allocate", "unable to allocate",
+    "out of resource", "checkTimeout", "Timeout at NCCL work", "watchdogHandler", "ncclCommWatchdog",
+    "IpcOpenMemHandle", "IpcGetMemHandle", "IPC handle", "ImportShareableBuffer",
     "name resolution", "NameResolution", "Failed to resolve", "service not known", "TimeoutError", "MaxRetryError",
     "ConnectionError", "Connection aborted", "connect to", "unreachable", "HTTP Error 50", "Server Error",
     "check your connection", "Internet connection", "SSLError", "ProxyError",
@@ -479,6 +503,41 @@ def classify(seg: Segment) -> list[Hit]:
             }
             hits.append(Hit("vllm_startup", Category.GPU_OOM, ROOT if exc_form else HINT, "vllm_startup",
                             numbers=nums, exc=seg.exc))
+    if "OOM when" in t:
+        m = _TF_OOM_RE.search(t)
+        if m:
+            host = re.search(r"by allocator (?:cpu|mklcpu)|device:CPU", t)
+            hits.append(Hit("tf_oom", Category.HOST_OOM if host else Category.GPU_OOM, ROOT, "tensorflow",
+                            fatal=exc_form, vendor="cpu" if host else None, exc=seg.exc))
+    if "RESOURCE_EXHAUSTED" in t:
+        m = _XLA_OOM_RE.search(t)
+        if m:
+            hits.append(Hit("xla_oom", Category.GPU_OOM, ROOT, "xla", fatal=exc_form,
+                            numbers={"tried_to_allocate": int(m.group(1))}, exc=seg.exc))
+    if "alloc" in t or "Malloc" in t:
+        m = _GGML_OOM_RE.search(t)
+        if m and not any(h.category is Category.GPU_OOM for h in hits):
+            nums = {}
+            if m.group("size"):
+                nums["tried_to_allocate"] = int(m.group("size"))
+            else:
+                mib = _GGML_ALLOC_MIB_RE.search(t)
+                if mib:
+                    nums["tried_to_allocate"] = int(float(mib.group(1)) * 1024 * 1024)
+            host = "host_malloc" in t
+            vendor = "cpu" if host else ("hip" if re.search(r"ROCm|HIP|hipMalloc", t) else
+                                          ("cuda" if re.search(r"CUDA|cudaMalloc", t) else None))
+            hits.append(Hit("ggml_oom", Category.HOST_OOM if host else Category.GPU_OOM, ROOT,
+                            "pinned" if host else "ggml", numbers=nums, vendor=vendor, exc=seg.exc))
+    if "Error out of memory" in t and _BNB_OOM_RE.search(t):
+        hits.append(Hit("bnb_oom", Category.GPU_OOM, ROOT, "bitsandbytes", exc=seg.exc))
+    if "out of resource" in t:
+        m = _TRITON_RES_RE.search(t)
+        if m:
+            nums = {k: int(m.group(g)) for k, g in (("required", "req"), ("hardware_limit", "lim")) if m.group(g)}
+            # A kernel's launch configuration, not device memory: no memory remedy helps.
+            hits.append(Hit("triton_out_of_resources", Category.CRASH_OTHER, CRASH, "triton_out_of_resources",
+                            numbers=nums, exc=seg.exc))
     if "batch size" in t and _BATCH_EXHAUSTED_RE.search(t):
         hits.append(Hit("batch_size_exhausted", Category.GPU_OOM, ROOT, "batch_size_search_exhausted", exc=seg.exc))
 
@@ -505,7 +564,13 @@ def classify(seg: Segment) -> list[Hit]:
             break
 
     # Communication.
-    if _WATCHDOG_RE.search(t):
+    if _WATCHDOG_FRAME_RE.search(t):
+        hits.append(Hit("nccl_timeout", Category.COMM_FAILURE, COMM, "nccl_timeout"))
+    elif _WATCHDOG_OTHER_FRAME_RE.search(t):
+        hits.append(Hit("nccl_error", Category.COMM_FAILURE, COMM, "nccl_watchdog"))
+    elif ("Ipc" in t or "IPC" in t) and _IPC_RE.search(t):
+        hits.append(Hit("ipc_handle", Category.COMM_FAILURE, COMM, "ipc_handle", exc=seg.exc))
+    elif _WATCHDOG_RE.search(t):
         nums = {}
         m = _RAN_FOR_RE.search(t)
         if m:
