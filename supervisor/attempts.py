@@ -610,10 +610,13 @@ class Runner:
                         f"attempt {act.number} ended: {_exit_words(exit_rec)}; diagnosis {diagnosis.category}"
                         + (f"/{diagnosis.subkind}" if diagnosis.subkind else "") + f": {diagnosis.summary}",
                         attempt=act.number, teardown_s=act.teardown_s)
-            if job is None or job.state != JobState.RUNNING:
+            last = self.store.last_attempt(act.job_id)
+            if job is None or job.state != JobState.RUNNING or last is None or last.number != act.number:
+                # Compare-and-set on (state, attempt): the record moved on without this verdict.
                 self._event(act.job_id, "attempt_orphan_record",
-                            f"attempt {act.number} ended while the job was {job.state if job else 'gone'}; "
-                            "nothing more to do", attempt=act.number)
+                            f"attempt {act.number} ended while the job was {job.state if job else 'gone'}"
+                            f" (last attempt {last.number if last else None}); nothing more to do",
+                            attempt=act.number)
             elif job.cancel_requested or stopped_by == "cancel":
                 self.store.update_attempt(act.job_id, act.number, decision=json.dumps({"kind": "cancelled"}))
                 self.store.transition(act.job_id, JobState.CANCELLED, "cancelled by the user")
