@@ -736,3 +736,88 @@ def _archive(ckpt: Checkpoint, archive_name: str) -> Fixup:
     """
     out = ckpt.path.parent
     return Fixup("archive_checkpoints", out, target=out / ARCHIVE_DIR / archive_name)
+
+
+# --------------------------------------------------------------------------- retention
+
+
+@dataclass(frozen=True)
+class Aside:
+    """A folder the supervisor moved aside: a quarantined checkpoint or an archive of them."""
+
+    path: Path
+    kind: str  # "quarantined" | "archived"
+    mtime: float
+    complete_steps: tuple[int, ...] = ()  # complete checkpoints inside (archives)
+    size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Removal:
+    aside: Aside
+    why: str
+
+    def describe(self) -> str:
+        return f"removed {self.aside.kind} {self.aside.path} ({self.aside.size_bytes / (1 << 30):.2f} GiB): {self.why}"
+
+
+def plan_retention(asides: Sequence[Aside], *, live_complete: int, keep_quarantined: int,
+                   keep_archived: int) -> list[Removal]:
+    """Which set-aside folders to reclaim: all but the newest `keep_*` of each kind, never the
+    archive that holds the only complete checkpoint left (when output_dir has none of its own).
+    Pure: the caller removes them (`reclaim`) and records what was removed."""
+    out: list[Removal] = []
+    by_age = sorted(asides, key=lambda a: a.mtime, reverse=True)
+    quarantined = [a for a in by_age if a.kind == "quarantined"]
+    archived = [a for a in by_age if a.kind == "archived"]
+    for a in quarantined[keep_quarantined:]:
+        out.append(Removal(a, f"incomplete, and older than the {keep_quarantined} newest quarantined kept"))
+    protected = None
+    if live_complete == 0:
+        protected = next((a for a in archived if a.complete_steps), None)
+    for a in archived[keep_archived:]:
+        if a is protected:
+            continue
+        out.append(Removal(a, f"superseded, and older than the {keep_archived} newest archives kept"))
+    return out
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def list_asides(output_dir: Path) -> list[Aside]:
+    """Edge: the quarantined and archived folders of `output_dir`, with what they hold."""
+    out: list[Aside] = []
+    for folder, kind in ((QUARANTINE_DIR, "quarantined"), (ARCHIVE_DIR, "archived")):
+        base = Path(output_dir) / folder
+        try:
+            entries = sorted(os.scandir(base), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                continue
+            steps: tuple[int, ...] = ()
+            if kind == "archived":
+                steps = tuple(c.step for c in scan_output_dir(Path(e.path)).complete)
+            out.append(Aside(Path(e.path), kind, e.stat(follow_symlinks=False).st_mtime, steps,
+                             _tree_size(Path(e.path))))
+    return out
+
+
+def reclaim(output_dir: Path, *, keep_quarantined: int, keep_archived: int) -> list[Removal]:
+    """Edge: apply the retention rule to `output_dir`; return what was removed (to record)."""
+    live = len(scan_output_dir(Path(output_dir)).complete)
+    removals = plan_retention(list_asides(Path(output_dir)), live_complete=live,
+                              keep_quarantined=keep_quarantined, keep_archived=keep_archived)
+    for r in removals:
+        shutil.rmtree(r.aside.path)
+    return removals

@@ -99,6 +99,14 @@ class RungSettings(_Strict):
     cutoff_len: CutoffRung = CutoffRung()
 
 
+class Retention(_Strict):
+    """How many set-aside checkpoint folders to keep per output_dir (older ones are removed;
+    the archive holding the only complete checkpoint left is always kept)."""
+
+    keep_quarantined: int = Field(2, ge=0)
+    keep_archived: int = Field(2, ge=0)
+
+
 class Policy(_Strict):
     """An escalation policy. `ladder` is the default order (cheapest first);
     the diagnosis may reorder it (see decide.py)."""
@@ -110,6 +118,7 @@ class Policy(_Strict):
     rungs: RungSettings = RungSettings()
     budgets: Budgets = Budgets()
     backoff: Backoff = Backoff()
+    retention: Retention = Retention()
     retry_numeric: bool = False
     # Switching a run to DeepSpeed (or between ZeRO stages) cannot load the
     # checkpoints it already wrote; with this false such a rung is skipped.
