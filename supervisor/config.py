@@ -93,15 +93,24 @@ class WebhookSpec(BaseModel):
         return self
 
 
-def default_dirs() -> tuple[Path, Path, Path]:
-    """(state, spool, config file) for this user."""
-    if _is_root():
-        return (Path("/var/lib/oom-supervisor"), Path("/var/spool/oom-supervisor"),
-                Path("/etc/oom-supervisor/config.yaml"))
-    home = Path.home()
-    state = Path(os.environ.get("XDG_STATE_HOME") or home / ".local/state") / "oom-supervisor"
-    data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local/share") / "oom-supervisor" / "spool"
-    conf = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "oom-supervisor" / "config.yaml"
+SYSTEM_CONFIG = Path("/etc/oom-supervisor/config.yaml")
+SYSTEM_DIRS = (Path("/var/lib/oom-supervisor"), Path("/var/spool/oom-supervisor"))
+
+
+def default_dirs(*, root: bool | None = None, system_config: Path = SYSTEM_CONFIG,
+                 env: dict[str, str] | None = None) -> tuple[Path, Path, Path]:
+    """(state, spool, config file) for this user: the system's as root, XDG folders otherwise,
+    except for a user without a config of their own on a box where the system service is
+    installed: `submit` must reach that service's spool, not a private one nobody reads."""
+    if _is_root() if root is None else root:
+        return (*SYSTEM_DIRS, SYSTEM_CONFIG)
+    env = os.environ if env is None else env
+    home = Path(env.get("HOME") or Path.home())
+    state = Path(env.get("XDG_STATE_HOME") or home / ".local/state") / "oom-supervisor"
+    data = Path(env.get("XDG_DATA_HOME") or home / ".local/share") / "oom-supervisor" / "spool"
+    conf = Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "oom-supervisor" / "config.yaml"
+    if not conf.exists() and system_config.exists():
+        return (*SYSTEM_DIRS, system_config)
     return state, data, conf
 
 
@@ -192,9 +201,10 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|Tr
 
 
 def load_config(path: Path | None = None, *, state_dir: Path | None = None,
-                spool_dir: Path | None = None, env: dict[str, str] | None = None) -> DaemonConfig:
+                spool_dir: Path | None = None, env: dict[str, str] | None = None,
+                system_config: Path = SYSTEM_CONFIG) -> DaemonConfig:
     env = dict(os.environ) if env is None else env
-    d_state, d_spool, d_conf = default_dirs()
+    d_state, d_spool, d_conf = default_dirs(system_config=system_config)
     explicit = path or (Path(env[ENV_CONFIG]) if env.get(ENV_CONFIG) else None)
     conf_path = explicit or d_conf
     data: dict[str, Any] = {}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import ConfigError, load_config
+from supervisor.config import ConfigError, default_dirs, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,3 +55,23 @@ def test_bad_service_config_is_refused_precisely(tmp_path, text, message):
         load(tmp_path, text)
     assert message in str(err.value)
     assert "secret" not in str(err.value), "a URL given in the file is not echoed back"
+
+
+def test_a_member_without_a_config_of_their_own_uses_the_system_service(tmp_path):
+    """On a shared box `oom-supervisor submit` by a member of the submit group must reach the
+    service's spool (/var/spool/...), not a private one under ~/.local that nobody reads."""
+    home, system = tmp_path / "home", tmp_path / "etc" / "config.yaml"
+    home.mkdir()
+    env = {"HOME": str(home)}
+    personal = (home / ".local/state/oom-supervisor", home / ".local/share/oom-supervisor/spool",
+                home / ".config/oom-supervisor/config.yaml")
+    assert default_dirs(root=False, system_config=system, env=env) == personal, "no system service"
+    system.parent.mkdir()
+    system.write_text("max_parallel: 2\n")
+    assert default_dirs(root=False, system_config=system, env=env) == (
+        Path("/var/lib/oom-supervisor"), Path("/var/spool/oom-supervisor"), system)
+    personal[2].parent.mkdir(parents=True)
+    personal[2].write_text("max_parallel: 3\n")
+    assert default_dirs(root=False, system_config=system, env=env) == personal, "one's own config wins"
+    assert default_dirs(root=True, system_config=system, env=env)[:2] == (
+        Path("/var/lib/oom-supervisor"), Path("/var/spool/oom-supervisor"))
