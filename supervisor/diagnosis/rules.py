@@ -37,7 +37,7 @@ _MARKER_TRIGGERS = (
     "{'loss': ", '{"loss": ', " example:", "input_ids:",
     "Loading checkpoint shards", "loading weights file", "*****", "Saving model checkpoint", "Loading model from",
     "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW",
-    "local_rank",
+    "local_rank", "is ready now", "Deleting older checkpoint",
 )
 _VENDOR_TRIGGERS = (
     "HIP", "hipError", "AMD_SERIALIZE", "HSA_", "HW Exception", "/rocm", "ROCm", "rocm-", "gfx9", "gfx1", "MI300",
@@ -127,6 +127,8 @@ CONTEXT_MARKERS: tuple[tuple[re.Pattern[str], Phase], ...] = (
     (re.compile(r"\*\*\*\*\* Running training \*\*\*\*\*"), Phase.TRAIN_STEP),
     (re.compile(r"\*\*\*\*\* Running (?:Evaluation|Prediction) \*\*\*\*\*"), Phase.EVALUATION),
     (re.compile(r"Saving model checkpoint to|\[Rank \d+\] Saving model checkpoint"), Phase.CHECKPOINT_SAVE),
+    # The save is over (DeepSpeed's commit line; transformers' rotation after a save): training resumes.
+    (re.compile(r"Checkpoint \S+ is ready now|Deleting older checkpoint"), Phase.TRAIN_STEP),
     (
         re.compile(r"Loading model from \S*checkpoint|Continuing training from checkpoint|Resuming training from"),
         Phase.RESUME,

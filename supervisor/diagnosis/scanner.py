@@ -77,6 +77,7 @@ _BAR_RE = re.compile(rb"%\|[^|\r\n]{0,200}\|\s*(\d+)/(\d+) \[")
 _MARKER_GATE = compile_search(
     r"Loading checkpoint shards|loading weights file|\*\*\*\*\*|Saving model checkpoint|Loading model from"
     r"|Continuing training|Resuming training|optimization steps|checkpoint-|skipped=|batch size of|OVERFLOW|local_rank"
+    r"|is ready now|Deleting older checkpoint"
 )
 # A tqdm bar left without a newline, glued in front of the text that followed it.
 _BAR_PREFIX_RE = re.compile(r"^[^|\n]{0,120}\d+%\|[^|]{0,200}\|[^\]]{0,200}\]")
@@ -200,6 +201,8 @@ class LogScanner:
         self._torchrun_rank: int | None = None
         self._min_scale_overflows = 0
         self._flushed = False
+        self._tb_phases: dict[int | None, set[Phase]] = {}  # phases named by ANY frame of the open traceback
+        self._context_step: int | None = None  # the step a checkpoint-save marker named
         self._tb_at: dict[int | None, int] = {}  # rank -> line of its open traceback's last frame
         self._exc_at: dict[int | None, int] = {}  # rank -> line of the exception that closed its traceback
         self._sample_bytes: int | None = None  # bytes read of the open printed-sample block, if any
@@ -493,6 +496,8 @@ class LogScanner:
             if fm:
                 frames = self._frames.setdefault(seg.rank, deque(maxlen=MAX_FRAMES))
                 frames.append((fm.group("func"), fm.group("path")))
+                if fm.group("func") in FRAME_PHASES:  # kept beyond MAX_FRAMES: outer frames say the phase
+                    self._tb_phases.setdefault(seg.rank, set()).add(FRAME_PHASES[fm.group("func")])
                 if seg.rank in self._tb_at:
                     self._tb_at[seg.rank] = line_no
                 if "/rocm" in fm.group("path") or "hip" in fm.group("path").rsplit("/", 1)[-1]:
@@ -500,6 +505,7 @@ class LogScanner:
                 return
         if "Traceback (most recent call last)" in t:
             self._frames.pop(seg.rank, None)
+            self._tb_phases.pop(seg.rank, None)
             self._tb_at[seg.rank] = line_no
             self._exc_at.pop(seg.rank, None)
             return
@@ -516,6 +522,8 @@ class LogScanner:
         # An exception line closes that rank's traceback (or the unprefixed one it used).
         if seg.exc is not None and self._frames.pop(seg.rank, None) is None and seg.rank is not None:
             self._frames.pop(None, None)
+        if seg.exc is not None and self._tb_phases.pop(seg.rank, None) is None and seg.rank is not None:
+            self._tb_phases.pop(None, None)
 
     def _track_logged_step(self, t: str, seg: Segment, line_no: int, buf: bytes, ls: int,
                            fatal: list[Evidence]) -> None:
@@ -575,6 +583,8 @@ class LogScanner:
                 if not (phase is Phase.TRAIN_STEP and self._context and self._context[0] is Phase.RESUME
                         and self._context[1] > self._bar_line_before(buf, ls, line_no)):
                     self._context = (phase, line_no)
+                    m = rules.CHECKPOINT_STEP_RE.search(t) if phase is Phase.CHECKPOINT_SAVE else None
+                    self._context_step = int(m.group(1)) if m else None
                 break
         if "optimization steps" in t:
             m = rules.TOTAL_STEPS_RE.search(t)
@@ -628,7 +638,12 @@ class LogScanner:
                     notes.append("inside DeepSpeed ZeRO offload")
                 else:
                     notes.append("inside DeepSpeed ZeRO")
-        phase = self._phase_from_frames(frames) if frames and seg.exc is not None else None
+        phase = None
+        if seg.exc is not None:
+            tb_phases = self._tb_phases.get(seg.rank) or (self._tb_phases.get(None) if seg.rank is not None else None)
+            phase = next((p for p in PHASE_PRECEDENCE if tb_phases and p in tb_phases), None)
+            if phase is None and frames:
+                phase = self._phase_from_frames(frames)
         if phase is None:
             phase = self._context_phase(buf, ls, line_no)
         text = _BAR_PREFIX_RE.sub("", seg.raw).strip() or seg.raw.strip()
@@ -727,7 +742,20 @@ class LogScanner:
         phase, marker_line = self._context
         if bar_line > marker_line:
             return Phase.TRAIN_STEP
+        if phase is Phase.CHECKPOINT_SAVE and self._context_step is not None:
+            # "Saving checkpoint-N" was the last marker, but a bar drawn since (or glued in front of
+            # this line) shows step N+1: the save is over and this is the next training step.
+            step = self._bar_step_on_line(buf, ls)
+            if step is not None and step > self._context_step:
+                return Phase.TRAIN_STEP
         return phase
+
+    def _bar_step_on_line(self, buf: bytes, ls: int) -> int | None:
+        if self._needle is None:
+            return None
+        le = buf.find(b"\n", ls)
+        p = buf.rfind(self._needle, ls, le if le >= 0 else len(buf))
+        return _digits_before(buf, p, ls) if p >= 0 else None
 
     def _context_phase_now(self) -> Phase:
         if self._context is None:

@@ -212,3 +212,49 @@ def test_hints_never_decide_a_terminal_category():
 def test_diagnosis_round_trips_with_the_new_fields():
     d = diagnose_bytes(tb(OOM), ExitRecord(1))
     assert dataclasses.replace(d) == type(d).from_dict(d.to_dict())
+
+
+# --- phase attribution (issue 10) ------------------------------------------------------------
+BAR2000 = b"\r 25%%|##5       | %d/2000 [10:00<30:00,  1.11it/s]"
+SAVE500 = b"[INFO|trainer.py:3815] 2026-11-29 01:10:20,001 >> Saving model checkpoint to out/checkpoint-500\n"
+HIP_OOM = (b"torch.OutOfMemoryError: HIP out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity of "
+           b"191.98 GiB of which 512.00 MiB is free.")
+
+
+def _run_to_500():
+    return (b"  Total optimization steps = 2000\n" + b"".join(BAR2000 % s for s in range(480, 501)) + b"\n" + SAVE500)
+
+
+def test_an_oom_in_the_step_after_a_checkpoint_save_is_a_train_step_oom_deep_traceback():
+    """The save line is the last marker and the bar still shows 500 (tqdm redraws when step 501
+    ends), but the traceback (deeper than the frames kept) starts in training_step."""
+    frames = b'  File "/x/transformers/trainer.py", line 2555, in _inner_training_loop\n    x\n'
+    frames += b'  File "/x/transformers/trainer.py", line 3745, in training_step\n    x\n'
+    frames += b"".join(b'  File "/x/torch/nn/modules/module.py", line 1775, in _call_impl\n    x\n' for _ in range(100))
+    log = _run_to_500() + b"Traceback (most recent call last):\n" + frames + HIP_OOM + b"\n"
+    d = diagnose_bytes(log, ExitRecord(1))
+    assert (d.category, d.phase.value) == (Category.GPU_OOM, "train_step"), d.summary
+
+
+def test_an_oom_after_the_bar_advanced_past_the_saved_step_is_a_train_step_oom_without_frames():
+    log = _run_to_500() + BAR2000 % 501 + b"\n" + tb(HIP_OOM).replace(b"training_step", b"forward")
+    d = diagnose_bytes(log, ExitRecord(1))
+    assert (d.category, d.phase.value) == (Category.GPU_OOM, "train_step"), d.summary
+    glued = _run_to_500() + BAR2000 % 501 + b"[rank0]: " + HIP_OOM + b"\n"  # the bar and the line on one line
+    assert diagnose_bytes(glued, ExitRecord(1)).phase.value == "train_step"
+
+
+def test_an_oom_while_saving_is_still_a_checkpoint_save_oom():
+    save_tb = (b"Traceback (most recent call last):\n"
+               b'  File "/x/transformers/trainer.py", line 3172, in _save_checkpoint\n    x\n' + HIP_OOM + b"\n")
+    d = diagnose_bytes(_run_to_500() + save_tb, ExitRecord(1))
+    assert d.phase.value == "checkpoint_save"
+    bare = _run_to_500() + HIP_OOM + b"\n"  # no step advanced since the save line
+    assert diagnose_bytes(bare, ExitRecord(1)).phase.value == "checkpoint_save"
+
+
+def test_a_completed_save_marker_ends_the_checkpoint_phase():
+    done = b"[2026-11-29 01:10:40,000] [INFO] [engine.py:3600:_save_zero_checkpoint] zero checkpoint saved out/checkpoint-500/global_step500\n"
+    done += b"[2026-11-29 01:10:41,000] [INFO] [torch_checkpoint_engine.py:33:commit] [Torch] Checkpoint global_step500 is ready now!\n"
+    d = diagnose_bytes(_run_to_500() + done + b"[rank0]: " + HIP_OOM + b"\n", ExitRecord(1))
+    assert d.phase.value == "train_step", d.summary
