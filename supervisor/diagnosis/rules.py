@@ -37,7 +37,7 @@ _MARKER_TRIGGERS = (
     "{'loss': ", '{"loss": ', " example:", "input_ids:",
     "Loading checkpoint shards", "loading weights file", "*****", "Saving model checkpoint", "Loading model from",
     "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW",
-    "local_rank", "is ready now", "Deleting older checkpoint",
+    "local_rank", "is ready now", "Deleting older checkpoint", "Gradient overflow",
 )
 _VENDOR_TRIGGERS = (
     "HIP", "hipError", "AMD_SERIALIZE", "HSA_", "HW Exception", "/rocm", "ROCm", "rocm-", "gfx9", "gfx1", "MI300",
@@ -139,6 +139,8 @@ CHECKPOINT_STEP_RE = re.compile(r"Saving model checkpoint to \S*checkpoint-(\d+)
 DS_STEP_RE = re.compile(r"\bstep=(\d+), skipped=\d+")
 RETRY_BATCH_RE = re.compile(r"Currently training with a batch size of: (\d+)")
 LOSS_SCALE_RE = re.compile(r"OVERFLOW!.*?Attempted loss scale: (\d+)")
+# Megatron/apex-style: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 0.5"
+GRAD_OVERFLOW_RE = re.compile(r"Gradient overflow\.\s+Skipping step,.*?reducing (?:loss scale )?to (\d+(?:\.\d+)?)")
 TORCHRUN_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
 
 

@@ -77,7 +77,7 @@ _BAR_RE = re.compile(rb"%\|[^|\r\n]{0,200}\|\s*(\d+)/(\d+) \[")
 _MARKER_GATE = compile_search(
     r"Loading checkpoint shards|loading weights file|\*\*\*\*\*|Saving model checkpoint|Loading model from"
     r"|Continuing training|Resuming training|optimization steps|checkpoint-|skipped=|batch size of|OVERFLOW|local_rank"
-    r"|is ready now|Deleting older checkpoint"
+    r"|is ready now|Deleting older checkpoint|Gradient overflow"
 )
 # A tqdm bar left without a newline, glued in front of the text that followed it.
 _BAR_PREFIX_RE = re.compile(r"^[^|\n]{0,120}\d+%\|[^|]{0,200}\|[^\]]{0,200}\]")
@@ -516,6 +516,13 @@ class LogScanner:
         self._track_markers(t, line_no, buf, ls)
         if t.startswith("{") and "loss" in t:
             self._track_logged_step(t, seg, line_no, buf, ls, fatal)
+        if self._min_scale_overflows == NUMERIC_RUN and not self._numeric_fired:
+            # fp16 loss scale at its minimum and still overflowing: every step is skipped from now on.
+            # (Early calibration halves it from 65536 by a few steps; it does not reach 1.)
+            self._numeric_fired = True
+            self._record(Hit("numeric_run", Category.NUMERIC, rules.ROOT, "loss_scale_at_minimum", fatal=True),
+                         seg, line_no, buf, ls, fatal, structural=True)
+            self._latest["numeric_run"].notes.append(f"{NUMERIC_RUN} gradient overflows at the minimum loss scale")
         structural = self._structural(seg, line_no)
         for hit in classify(seg):
             self._record(hit, seg, line_no, buf, ls, fatal, structural)
@@ -604,9 +611,9 @@ class LogScanner:
                 if w.line_no < line_no:
                     w.recovered = True
                     w.notes.append(f"the program restarted with a smaller batch at line {line_no}")
-        if "OVERFLOW" in t:
-            m = rules.LOSS_SCALE_RE.search(t)
-            if m and int(m.group(1)) <= 1:
+        if "OVERFLOW" in t or "Gradient overflow" in t:
+            m = rules.LOSS_SCALE_RE.search(t) or rules.GRAD_OVERFLOW_RE.search(t)
+            if m and float(m.group(1)) <= 1:
                 self._min_scale_overflows += 1
         if "local_rank" in t:
             m = rules.TORCHRUN_RANK_RE.search(t)

@@ -258,3 +258,18 @@ def test_a_completed_save_marker_ends_the_checkpoint_phase():
     done += b"[2026-11-29 01:10:41,000] [INFO] [torch_checkpoint_engine.py:33:commit] [Torch] Checkpoint global_step500 is ready now!\n"
     d = diagnose_bytes(_run_to_500() + done + b"[rank0]: " + HIP_OOM + b"\n", ExitRecord(1))
     assert d.phase.value == "train_step", d.summary
+
+
+def test_loss_scale_stuck_at_its_minimum_stops_live_but_calibration_does_not():
+    calib = b"".join(b"[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: %d, reducing to %d\n"
+                     % (2**k, 2**(k - 1)) for k in range(16, 10, -1))
+    s = LogScanner()
+    assert s.feed(calib) == []
+    stuck = b"[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1, reducing to 1\n"
+    assert s.feed(stuck * 2) == []
+    assert [e.rule for e in s.feed(stuck)] == ["numeric_run"]
+    d = s.finish(ExitRecord(returncode=-15, stopped_by="fatal_signal"))
+    assert (d.category, d.subkind) == (Category.NUMERIC, "loss_scale_at_minimum")
+    apex = LogScanner()
+    line = b"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 1.0\n"
+    assert [e.rule for e in apex.feed(line * 3)] == ["numeric_run"]
