@@ -279,3 +279,46 @@ def test_numeric_failure_names_the_last_good_checkpoint(default_policy):
     d = decide(job(), [attempt(1, Overrides(), oom(), 100), attempt(2, Overrides(), n, 120)], n, default_policy)
     assert d.kind == DecisionKind.FAIL
     assert "checkpoint-120" in d.reason
+
+
+@pytest.mark.ml
+def test_transformers_accepts_the_rewritten_pair_and_refuses_the_unrewritten_one(default_policy, tmp_path):
+    """transformers' own fill_match on the rendered YAML + JSON (HfTrainerDeepSpeedConfig.mismatches)."""
+    pytest.importorskip("llamafactory", reason="llamafactory not installed")
+    pytest.importorskip("deepspeed", reason="deepspeed not installed")
+    import subprocess
+    import sys
+
+    import yaml
+
+    from supervisor.jobspec import parse_job_text
+    from supervisor.policy import render_attempt
+
+    ds1 = {**EXPLICIT_DS, "train_batch_size": 16}  # world size 1 here
+    (tmp_path / "ds.json").write_text(json.dumps(ds1))
+    spec = parse_job_text("model_name_or_path: /m\nstage: sft\ndo_train: true\nfinetuning_type: full\n"
+                          "dataset: d\ntemplate: default\noutput_dir: out\nper_device_train_batch_size: 8\n"
+                          "gradient_accumulation_steps: 2\nuse_cpu: true\ndeepspeed: ds.json\n",
+                          submit_dir=tmp_path)
+    j = job(dict(spec.config), visible_gpu_count=0, deepspeed_config=ds1)
+    d = first(j, oom(), default_policy)
+    r = render_attempt(spec, d.overrides, attempt_dir=tmp_path, resume_yaml={}, launcher=["llamafactory-cli"])
+    for name, text in r.files.items():
+        (tmp_path / name).write_text(text)
+    unrewritten = {**yaml.safe_load(r.files["effective.yaml"]), "deepspeed": str(tmp_path / "ds.json")}
+    (tmp_path / "unrewritten.yaml").write_text(yaml.safe_dump(unrewritten))
+    code = ("import sys, yaml; from llamafactory.hparams.parser import _parse_train_args\n"
+            "for f in sys.argv[1:]:\n"
+            "    t = _parse_train_args(yaml.safe_load(open(f)))[2]\n"
+            "    print(len(t.hf_deepspeed_config.mismatches))\n")
+    env = {**{k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"},
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29617", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "effective.yaml"),
+                          str(tmp_path / "unrewritten.yaml")], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rewritten_n, unrewritten_n = map(int, out.stdout.split()[-2:])
+    assert rewritten_n == 0 and unrewritten_n == 2  # micro and accumulation; 16 = 1 x 4 x 4 still agrees
+    eff = yaml.safe_load(r.files["effective.yaml"])
+    assert check_launch_pair(eff, json.loads(r.files["ds_config.json"]), world_size=1) == []
+    assert len(check_launch_pair(eff, ds1, world_size=1)) == unrewritten_n
