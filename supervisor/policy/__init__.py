@@ -5,8 +5,8 @@ Pure modules: schema (parsing aside), rungs, decide, render, estimate (except
 """
 
 from .decide import backoff_delay, decide
-from .render import RenderedAttempt, render_attempt
+from .render import RenderedAttempt, check_rendered, render_attempt
 from .schema import BUILTIN_POLICY_DIR, Policy, PolicyError, load_policy, parse_policy_text
 
-__all__ = ["BUILTIN_POLICY_DIR", "Policy", "PolicyError", "RenderedAttempt", "backoff_delay", "decide",
+__all__ = ["BUILTIN_POLICY_DIR", "Policy", "PolicyError", "RenderedAttempt", "backoff_delay", "check_rendered", "decide",
            "load_policy", "parse_policy_text", "render_attempt"]

@@ -17,7 +17,8 @@ import yaml
 
 from ..jobspec import JobSpec
 from ..llamafactory.validate import lf_fields
-from ..models import Change, Overrides
+from ..deepspeed_config import check_launch_pair
+from ..models import Change, Overrides, Problem
 from .allocator import ALLOC_VARS, merged_alloc_env
 from .rungs import MEMORY_FRACTION_ENV
 
@@ -79,6 +80,18 @@ def render_env(spec: JobSpec, overrides: Overrides) -> dict[str, str]:
         existing = spec.sup.env.get("PYTHONPATH")
         env["PYTHONPATH"] = str(HOOK_DIR) + (f":{existing}" if existing else "")
     return env
+
+
+def check_rendered(rendered: RenderedAttempt, *, user_deepspeed: Mapping[str, Any] | None,
+                   world_size: int) -> list[Problem]:
+    """Before launch: the rendered YAML and the DeepSpeed JSON it will load (the attempt's own
+    ds_config.json, else the user's), matched as transformers will (`check_launch_pair`).
+    Call it after every edit of `rendered.files` (resume keys merged into the JSON)."""
+    if EFFECTIVE_YAML not in rendered.files:
+        return []
+    effective = yaml.safe_load(rendered.files[EFFECTIVE_YAML]) or {}
+    ds = json.loads(rendered.files[DS_CONFIG]) if DS_CONFIG in rendered.files else user_deepspeed
+    return check_launch_pair(effective, ds, world_size=world_size)
 
 
 def render_attempt(spec: JobSpec, overrides: Overrides, *, attempt_dir: Path,

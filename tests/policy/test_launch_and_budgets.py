@@ -100,6 +100,14 @@ def test_rendered_attempt_carries_the_rewritten_deepspeed_json(default_policy, t
     eff = yaml.safe_load(r.files["effective.yaml"])
     assert eff["deepspeed"] == str(tmp_path / "a1" / "ds_config.json")
     assert check_launch_pair(eff, ds, world_size=2) == []
+    from supervisor.policy import check_rendered
+
+    assert check_rendered(r, user_deepspeed=EXPLICIT_DS, world_size=2) == []
+    # the same YAML split against the user's unrewritten JSON is what transformers refuses
+    plain = render_attempt(spec, Overrides(yaml=d.overrides.yaml), attempt_dir=tmp_path / "a2", resume_yaml={},
+                           launcher=["lf"])
+    assert {p.key for p in check_rendered(plain, user_deepspeed=EXPLICIT_DS, world_size=2)} == {
+        "deepspeed.train_micro_batch_size_per_gpu", "deepspeed.gradient_accumulation_steps"}
 
 
 # --- 3. one host-RAM budget; step back from the rung that caused a host OOM ---------------------
