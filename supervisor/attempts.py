@@ -250,6 +250,14 @@ class Runner:
                         spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
                         hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
                         last_step=resumed_step, progress_offset=progress_offset)
+        if self.store.job(job.id).cancel_requested:
+            # The cancel landed right after the start was committed: run nothing, settle it now.
+            self.store.update_attempt(job.id, number, ended_at=self.clock(),
+                                      decision=json.dumps({"kind": "cancelled"}))
+            self.store.transition(job.id, JobState.CANCELLED, "cancelled by the user before the attempt launched")
+            owner.remove()
+            self._notify(job.id, "cancelled", "cancelled by the user")
+            return None
         try:
             handle = proctree.launch(paths, argv=rendered.argv, cwd=spec.workdir, env=env,
                                      rlimits=rlimits, cgroup=cgroup, owner=owner,

@@ -340,3 +340,75 @@ def read_json(path: Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def log_sizes(attempt_dir: Path) -> tuple[int, int]:
+    """(size of output.log, size of output.log and every part kept beside it)."""
+    main = total = 0
+    for p in attempt_dir.glob("output.log*"):
+        try:
+            size = p.stat().st_size
+        except OSError:
+            continue
+        total += size
+        if p.name == "output.log":
+            main = size
+    return main, total
+
+
+def config_knows(key: str) -> bool:
+    from supervisor.config import DaemonConfig
+
+    return key in DaemonConfig.model_fields
+
+
+def flood_cancel(root: Path, *, flood_s: float = 2.0, max_log_bytes: int | None = 8 << 20,
+                 timeout_s: float = 30.0) -> dict:
+    """A job floods its log with keyword lines; after `flood_s`, `oom-supervisor cancel` it.
+
+    Returns the cancel latency (CLI start -> job `cancelled` with no process left), the
+    log sizes seen (peak of output.log, total with kept parts) and `status` latencies.
+    """
+    state, spool, work = root / "state", root / "spool", root / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    cap_known = config_knows("max_log_bytes")
+    extra = {"max_log_bytes": max_log_bytes} if (max_log_bytes and cap_known) else {}
+    d = DaemonProc(state, spool, write_chaos_config(root, **extra), root / "daemon.log").start()
+    rec = Record(state)
+    attempt = state / "jobs" / "1" / "attempt-1"
+    out: dict = {"cap_known": cap_known, "max_log_bytes": extra.get("max_log_bytes"), "peak_log": 0,
+                 "total_log": 0, "status_s": []}
+    try:
+        drop(spool, "flood.yaml", exclusive_job(work, work / "flood", "--flood", name="flood", max_attempts=1))
+        rec.wait(lambda: rec.state(1) == "running" and log_sizes(attempt)[0] > 0, 30, "flooding", d)
+        t_flood = time.monotonic()
+        while time.monotonic() - t_flood < flood_s:
+            main, total = log_sizes(attempt)
+            out["peak_log"], out["total_log"] = max(out["peak_log"], main), max(out["total_log"], total)
+            if out["peak_log"] > 64 * (max_log_bytes or 8 << 20):
+                break  # no cap at all: do not fill the disk to prove it
+            t = time.monotonic()
+            d.cli("status", "--json")
+            out["status_s"].append(time.monotonic() - t)
+        t0 = time.monotonic()
+        res = d.cli("cancel", "1")
+        out["cancel_rc"], out["cancel_cli_s"] = res.returncode, time.monotonic() - t0
+        try:
+            rec.wait(lambda: rec.state(1) == "cancelled" and not trainings(work), timeout_s, "cancelled", d,
+                     step=0.01)
+            out["cancel_s"] = time.monotonic() - t0
+            # The daemon's part: from the cancel being recorded to the job cancelled with its processes
+            # gone (cancel_s adds the CLI's own start-up, which a loaded box stretches).
+            asked = [e["ts"] for e in rec.events(1) if e["kind"] == "cancel_requested"]
+            out["cancel_effect_s"] = time.time() - asked[0] if asked else None
+        except AssertionError:
+            out["cancel_s"] = out["cancel_effect_s"] = None
+        main, total = log_sizes(attempt)
+        out["peak_log"], out["total_log"] = max(out["peak_log"], main), max(out["total_log"], total)
+        out["state"] = rec.state(1)
+        d.stop(signal.SIGTERM, timeout=60)
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            d.kill9()
+        kill_all(trainings(work) + shims(state))
+    return out

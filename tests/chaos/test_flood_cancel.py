@@ -1,0 +1,31 @@
+"""A job flooding its log with keyword lines must not stall the daemon (issue 9 item 4).
+
+`[rank0]: Error: sample N skipped` at full speed: cancel takes effect (job `cancelled`,
+its processes gone) within 2 s, and the attempt log stays under `max_log_bytes`.
+The long version, with figures, is bench/bench_flood.py.
+"""
+
+import pytest
+
+from .harness import config_knows, flood_cancel
+
+CAP = 8 << 20
+
+
+def test_cancel_while_a_job_floods_its_log_takes_effect_within_2s(tmp_path):
+    r = flood_cancel(tmp_path, flood_s=2.0, max_log_bytes=CAP)
+    print(r)
+    assert r["cancel_rc"] == 0
+    assert r["cancel_s"] is not None, f"cancel never took effect (job {r['state']}): {r}"
+    assert r["cancel_effect_s"] <= 2.0, f"cancel took {r['cancel_effect_s']:.2f}s while the job flooded its log: {r}"
+
+
+def test_a_flooded_log_stays_under_max_log_bytes(tmp_path):
+    if not config_knows("max_log_bytes"):
+        pytest.fail("the daemon config has no `max_log_bytes` key: the attempt log has no cap")
+    r = flood_cancel(tmp_path, flood_s=4.0, max_log_bytes=CAP)
+    print(r)
+    slack = 4 << 20  # the cap is checked between writes, not on each one
+    assert r["peak_log"] <= CAP + slack, f"output.log reached {r['peak_log']} bytes, cap {CAP}: {r}"
+    assert r["total_log"] <= 3 * CAP + slack, f"the log and its kept parts reached {r['total_log']} bytes: {r}"
+    assert r["state"] == "cancelled"
