@@ -122,6 +122,8 @@ def _memory_corroboration(host: HostEvidence | None) -> tuple[list[str], list[Ev
     ev: list[Evidence] = []
     if host.cgroup_oom_kills:
         words.append(f"cgroup oom_kill counter = {host.cgroup_oom_kills}")
+    if host.limit_enforced_kill:
+        words.append("the supervisor stopped it when its processes' memory went over the job's limit")
     if host.scheduler_state == "OUT_OF_MEMORY":
         words.append("the scheduler reports OUT_OF_MEMORY")
     for line in host.kernel_oom_lines:

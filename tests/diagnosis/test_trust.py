@@ -273,3 +273,12 @@ def test_loss_scale_stuck_at_its_minimum_stops_live_but_calibration_does_not():
     apex = LogScanner()
     line = b"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 1.0\n"
     assert [e.rule for e in apex.feed(line * 3)] == ["numeric_run"]
+
+
+def test_the_supervisors_memory_limit_enforcement_is_host_oom_evidence():
+    host = HostEvidence(limit_enforced_kill=True, memory_limit_bytes=300 << 20, peak_rss_bytes=857 << 20)
+    d = diagnose_bytes(b"working\n", ExitRecord(returncode=-9, signal="SIGKILL", stopped_by="memory_limit"), host)
+    assert (d.category, d.strength) == (Category.HOST_OOM, "structural"), d.summary
+    assert "over the job's limit" in d.summary
+    bare = diagnose_bytes(b"working\n", ExitRecord(returncode=-9, signal="SIGKILL"), HostEvidence())
+    assert bare.category is Category.CRASH_OTHER
