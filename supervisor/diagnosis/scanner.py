@@ -711,7 +711,9 @@ class LogScanner:
         self._bump_step(step)
         self._last_bar_line = max(self._last_bar_line, line)
         for w in self._watch:
-            if not w.recovered and line > w.line_no and w.step_before is not None and step > w.step_before:
+            # No step known at the OOM (the bar's total not seen yet) counts as "before step 0":
+            # whether the total was learnt from this chunk or a later one must not change the answer.
+            if not w.recovered and line > w.line_no and (w.step_before is None or step > w.step_before):
                 w.recovered = True
                 w.notes.append(f"training continued to step {step} afterwards")
 

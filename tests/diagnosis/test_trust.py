@@ -282,3 +282,15 @@ def test_the_supervisors_memory_limit_enforcement_is_host_oom_evidence():
     assert "over the job's limit" in d.summary
     bare = diagnose_bytes(b"working\n", ExitRecord(returncode=-9, signal="SIGKILL"), HostEvidence())
     assert bare.category is Category.CRASH_OTHER
+
+
+def test_an_oom_before_the_bar_total_is_known_is_judged_the_same_however_the_log_is_chunked():
+    """Found by hypothesis: cut after the first byte, the bar's total was learnt only after the OOM line,
+    so 'training continued afterwards' was not seen and the verdict differed from the whole log's."""
+    data = (b"[rank3]: torch.OutOfMemoryError: HIP out of memory. Tried to allocate 124.00 MiB. GPU 0 has a total "
+            b"capacity of 19.94 GiB of which 554.47 MiB is free.\n  3%|\xe2\x96\x88    | 30/1000 [00:10<05:00,  3.21it/s]\n")
+    whole = diagnose_bytes(data)
+    s = LogScanner()
+    s.feed(data[:1])
+    s.feed(data[1:])
+    assert s.finish().to_dict() == whole.to_dict()
