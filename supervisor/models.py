@@ -117,7 +117,13 @@ class Diagnosis:
 
     `numbers` holds parsed quantities in bytes (tried_to_allocate,
     total_capacity, free, allocated_by_pytorch, reserved_unallocated, allowed,
-    device_index, shortfall, ...); absent values are simply missing keys.
+    device_index, shortfall, ...); absent values are simply missing keys. Also:
+    `held_by_others` = total_capacity - free - process_in_use (GPU memory neither this
+    process nor the free pool holds: other processes; wait, do not shrink the job), only
+    when all three are printed; `reserved_unallocated` whenever parseable (count it even
+    when smaller than the request); `scheduler_state` (explain/Slurm); `required` /
+    `hardware_limit` (Triton's per-block resources, not memory capacity); `scanner_errors`
+    (log lines the scanner skipped after an internal error); `timeout_ms` (NCCL watchdog).
     """
 
     category: Category

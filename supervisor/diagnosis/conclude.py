@@ -3,27 +3,30 @@
 Root-cause order (documented here, tested in tests/diagnosis):
   1. The supervisor's own stops: `cancel`/`shutdown` are not failures (unknown);
      returncode 0 is success (an OOM the program retried is mentioned).
-  2. Among the log's decisive findings:
-       tier 1 ROOT  gpu_oom, host_oom, device_fault, disk_full, config_error, numeric
+  2. The command never started (launch_error, or exit 127 + the shim's line): config_error.
+     A scheduler's TIMEOUT/PREEMPTED/CANCELLED (unknown) or NODE_FAIL (environment) decides.
+  3. Among the log's STRUCTURAL findings (an exception ending a traceback; a runtime's fault
+     line when the process then aborted):
+       tier 1 ROOT  gpu_oom, host_oom, device_fault, disk_full, config_error, numeric, environment
        tier 2 COMM  NCCL/RCCL watchdog timeouts and errors, rendezvous/socket errors
        tier 3 CRASH other Python exceptions, segfault, abort, device-side assert
-     the EARLIEST tier-1 line wins, whatever else the log holds: an illegal
-     memory access that trips the NCCL watchdog is a device_fault, and an OOM
-     on rank 3 that makes rank 0 time out is a gpu_oom, whatever order the
-     ranks' lines reach the log in (stderr of different ranks is flushed
-     independently). Without a tier-1 finding the earliest tier-2/3 line wins:
-     a KeyError on rank 1 that leaves rank 0 waiting in the watchdog is a
-     crash, a watchdog timeout followed by the aborts it causes is comm.
-  3. A SIGKILL (exit -9/137, torchrun `exitcode : -9`, `Signal 9 (SIGKILL)`)
+     per rank, the exception that ends its LAST traceback (a chained or later exception
+     ended that process); across ranks the EARLIEST, tier 1 first: an illegal memory access
+     that trips the NCCL watchdog is a device_fault, an OOM on rank 3 that makes rank 0 time
+     out is a gpu_oom, whatever order the ranks' stderr reached the log in. A tier-3
+     exception right after a library's OOM message (same rank, <= 64 lines) is that OOM.
+     Disk full must be confirmed by statvfs when it was measured.
+  4. A SIGKILL (exit -9/137, torchrun `exitcode : -9`, `Signal 9 (SIGKILL)`)
      is host_oom only when memory evidence corroborates it: the cgroup's
-     oom_kill counter > 0, a kernel OOM line (HostEvidence or the log), or
-     min_available_bytes <= max(64 MiB, 2% of the memory limit). Otherwise it
-     is crash_other/sigkill_unexplained and the summary says so.
+     oom_kill counter > 0, a kernel OOM line (HostEvidence), min_available_bytes
+     <= max(64 MiB, 2% of the memory limit), the supervisor's own memory-limit stop, or
+     the scheduler's OUT_OF_MEMORY. Otherwise it is crash_other/sigkill_unexplained.
      A kill the supervisor made itself (stopped_by fatal_signal/hang) is never
      read as a kill: the log decides.
-  4. `stopped_by == "hang"`: hang, unless the log shows a tier 1-2 cause.
-  5. Otherwise exit-signal facts (segfault, abort, SIGTERM), then weak hints
-     (an OOM message printed without an exception, NaN losses), then unknown.
+  5. `stopped_by == "hang"`: hang, unless the log shows a tier 1-2 cause (a watchdog's own
+     line, a hint, refines it to comm_failure).
+  6. Otherwise exit-signal facts (segfault, abort, SIGTERM), then HINTS (free text outside
+     a traceback: strength "hint"; a terminal category becomes crash_other), then unknown.
 
 GPU OOM derived numbers:
   shortfall = max(0, tried_to_allocate - usable), where usable is `free`, or,
