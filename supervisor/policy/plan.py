@@ -66,6 +66,7 @@ def _context(spec: Any, shape: ModelShape | None, gpu_gib: float | None) -> JobC
         except (OSError, ValueError):
             ds_cfg = None
     return JobContext(id=0, name=spec.name, kind=spec.kind, config=spec.config, world_size=spec.world_size,
+                      nproc_per_node=spec.sup.nproc_per_node, gpus=tuple(spec.sup.gpus) if spec.sup.gpus else None,
                       max_attempts=spec.sup.max_attempts or 8,
                       **context_fields(shape), gpu_capacity_bytes=int(gpu_gib * GiB) if gpu_gib else None, deepspeed_config=ds_cfg)
 

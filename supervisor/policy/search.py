@@ -111,7 +111,7 @@ def calibration(job: JobContext, history: Sequence[AttemptRecord]) -> float:
 
 
 def predicted_need(job: JobContext, ov: Overrides, diag: Diagnosis, mem: R.Memory,
-                   history: Sequence[AttemptRecord]) -> int | None:
+                   history: Sequence[AttemptRecord], k: float | None = None) -> int | None:
     """Predicted GPU peak of `ov`: the calibrated estimate plus the memory PyTorch held but could
     not use (reserved_unallocated) in the failed attempt, which only allocator tuning hands back.
     It counts even when smaller than the failed request (no fragmentation flag): those bytes
@@ -120,7 +120,7 @@ def predicted_need(job: JobContext, ov: Overrides, diag: Diagnosis, mem: R.Memor
     if base is None:
         return None
     waste = 0 if R.ALLOC_VARS[0] in ov.env else (mem.reserved_unallocated or 0)
-    return int(calibration(job, history) * base) + waste
+    return int((calibration(job, history) if k is None else k) * base) + waste
 
 
 def choose(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy, mem: R.Memory,
@@ -131,9 +131,10 @@ def choose(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy,
     if capacity is None or base_need(job, current) is None:
         return None
     limit = capacity * (1 - policy.fit_headroom)
+    k = calibration(job, history)
 
     def need(ov: Overrides) -> int:
-        return predicted_need(job, ov, diag, mem, history)  # type: ignore[return-value]
+        return predicted_need(job, ov, diag, mem, history, k)  # type: ignore[return-value]
 
     best: Step | None = None
     frontier = [Step((), (), current, need(current), speed(job, current))]
