@@ -406,7 +406,10 @@ def flood_cancel(root: Path, *, flood_s: float = 2.0, max_log_bytes: int | None 
         main, total = log_sizes(attempt)
         out["peak_log"], out["total_log"] = max(out["peak_log"], main), max(out["total_log"], total)
         out["state"] = rec.state(1)
-        d.stop(signal.SIGTERM, timeout=60)
+        try:
+            d.stop(signal.SIGTERM, timeout=20)
+        except subprocess.TimeoutExpired:
+            out["daemon_stop"] = "did not exit within 20 s of SIGTERM"
     finally:
         if d.proc is not None and d.proc.poll() is None:
             d.kill9()
