@@ -1,0 +1,70 @@
+"""A real single-node Slurm, started once per session by scripts/slurm.sh (see ../shared/docs/slurm.md).
+
+`slurm` skips with the script's own reason where Slurm cannot start here; with CI=true it
+fails instead, so CI never silently loses these tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor import slurm as sl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def slurm() -> str:
+    """SLURM_CONF of the running test cluster (also exported to this process for the clients)."""
+    try:
+        res = subprocess.run(["bash", str(REPO / "scripts" / "slurm.sh"), "up"], capture_output=True,
+                             text=True, timeout=300)
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("SLURM_CONF=")]
+        why = None if res.returncode == 0 and lines else \
+            f"scripts/slurm.sh up exited {res.returncode}: {(res.stderr or res.stdout).strip()[-1500:]}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        why, lines = f"scripts/slurm.sh up could not run: {e}", []
+    if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the Slurm tests: {why}")
+        pytest.skip(f"no local Slurm: {why}")
+    conf = lines[-1].split("=", 1)[1]
+    os.environ["SLURM_CONF"] = conf
+    return conf
+
+
+def wait_state(job_id: str, pred, timeout: float = 60, what: str = "state") -> sl.SlurmJobState:
+    """Poll `query` (at a test's pace: 0.3 s) until pred(state) holds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = sl.query(job_id)
+        if last is not None and pred(last):
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id}: no {what} within {timeout} s; last {last}")
+
+
+def wait_terminal(job_id: str, timeout: float = 60) -> sl.SlurmJobState:
+    return wait_state(job_id, lambda s: s.terminal, timeout, "terminal state")
+
+
+def wait_file(path: Path, pred=lambda text: bool(text), timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if pred(text):
+            return text
+        time.sleep(0.2)
+    raise AssertionError(f"{path}: condition not met within {timeout} s; content {text[-2000:]!r}")
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]

@@ -1,0 +1,164 @@
+"""The Slurm backend against a real slurmctld/slurmd/munge (scripts/slurm.sh), cgroup v1 here.
+
+The TIMEOUT job is submitted when the module starts and checked last, so its wait (time limit
+plus slurmctld's 30 s check period) overlaps the other tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor import slurm as sl
+from supervisor.diagnosis import diagnose_bytes
+from supervisor.models import Category, ExitRecord, HostEvidence
+
+from .conftest import py, wait_file, wait_state, wait_terminal
+
+ALLOC = ("import time\nb=[]\nfor i in range(400):\n    b.append(bytearray(16 << 20))\n"
+         "    print('allocated', (i + 1) * 16, 'MiB', flush=True)\n    time.sleep(0.01)\n")
+TERM_HANDLER = ("import signal, sys, time, pathlib\n"
+                "def on_term(n, f):\n    pathlib.Path(sys.argv[1]).write_text('got SIGTERM')\n    sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, on_term)\nprint('ready', flush=True)\n"
+                "while True:\n    time.sleep(0.1)\n")
+
+
+def go(tmp_path: Path, argv: list[str], name: str = "t", *, request=None, settings=None, env=None):
+    att = tmp_path / name
+    att.mkdir(parents=True, exist_ok=True)
+    log = att / "train.log"
+    sub = sl.submit(att, log, argv, tmp_path, {**os.environ, **(env or {})},
+                    settings=settings or sl.SlurmSettings(), request=request or sl.SlurmJobRequest(mem="300M"),
+                    job_name=f"oomsup-test-{name}")
+    return sub, log
+
+
+@pytest.fixture(scope="module", autouse=True)
+def timeout_job(slurm, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("timeout")
+    return go(tmp, py("import time\nprint('sleeping', flush=True)\ntime.sleep(600)"), "timeout",
+              request=sl.SlurmJobRequest(mem="100M", time="0:15"))
+
+
+def _diagnose(state, log: Path):
+    v = sl.verdict(state, log.read_text(errors="replace"))
+    return v, diagnose_bytes(log.read_bytes(), ExitRecord(**v["exit"]), HostEvidence(**v["host"]))
+
+
+def test_exit_0_and_exit_3(slurm, tmp_path):
+    ok, ok_log = go(tmp_path, py("print('fine')"), "ok")
+    bad, bad_log = go(tmp_path, py("import sys; print('bad'); sys.exit(3)"), "bad")
+    s_ok, s_bad = wait_terminal(ok.job_id), wait_terminal(bad.job_id)
+    assert (s_ok.state, s_ok.exit_code, s_ok.signal) == ("COMPLETED", 0, 0)
+    assert (s_bad.state, s_bad.exit_code, s_bad.reason) == ("FAILED", 3, "NonZeroExitCode")
+    assert sl.verdict(s_ok, ok_log.read_text())["exit"] == {"returncode": 0, "signal": None}
+    v = sl.verdict(s_bad, bad_log.read_text())
+    assert v["exit"] == {"returncode": 3, "signal": None} and not v["interrupted"] and not v["cancelled"]
+    assert "fine" in ok_log.read_text() and "bad" in bad_log.read_text()
+    # The batch script sbatch ran is the one in the attempt folder, and it execs the command.
+    assert ok.script.parent == tmp_path / "ok" and "\nexec " in ok.script.read_text()
+    # The jobcomp fallback (scontrol forgets after MinJobAge) tells the same story.
+    jc = wait_state_jobcomp(bad.job_id)
+    assert (jc.state, jc.exit_code, jc.source) == ("FAILED", 3, "sacct-jobcomp")
+
+
+def wait_state_jobcomp(job_id: str, timeout: float = 10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = sl.query_jobcomp(job_id)
+        if st is not None:
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} not in the jobcomp file")
+
+
+def test_over_mem_is_out_of_memory_with_oom_kill_evidence(slurm, tmp_path):
+    sub, log = go(tmp_path, py(ALLOC), "oom", request=sl.SlurmJobRequest(mem="200M"))
+    st = wait_terminal(sub.job_id)
+    assert (st.state, st.reason, st.signal) == ("OUT_OF_MEMORY", "OutOfMemory", 125)
+    assert st.memory_limit_bytes == 200 << 20
+    text = wait_file(log, lambda t: "oom-kill event" in t)
+    v, diag = _diagnose(st, log)
+    assert v["host"]["cgroup_oom_kills"] >= 1 and v["host"]["limit_mechanism"] == "slurm-cgroup"
+    assert v["host"]["memory_limit_bytes"] == 200 << 20 and v["scheduler_state"] == "OUT_OF_MEMORY"
+    assert v["exit"] == {"returncode": -9, "signal": "SIGKILL"}
+    assert any(f"StepId={sub.job_id}.batch" in e for e in v["evidence"]), v["evidence"]
+    assert "allocated" in text
+    assert diag.category == Category.HOST_OOM, diag.summary
+
+
+def test_oom_in_srun_step_while_batch_script_exits_0(slurm, tmp_path):
+    alloc = tmp_path / "alloc.py"
+    alloc.write_text(ALLOC)
+    import sys
+    sub, log = go(tmp_path, ["bash", "-c", f"srun {sys.executable} {alloc}; echo step done; exit 0"],
+                  "srun_oom", request=sl.SlurmJobRequest(mem="200M"))
+    st = wait_terminal(sub.job_id)
+    assert (st.state, st.exit_code, st.signal) == ("COMPLETED", 0, 0)
+    assert st.derived_signal == 125  # only `scontrol -d` / jobcomp say so
+    wait_file(log, lambda t: "oom-kill event" in t and "step done" in t)
+    v, diag = _diagnose(st, log)
+    assert v["host"]["cgroup_oom_kills"] >= 1 and v["exit"]["signal"] == "SIGKILL"
+    assert diag.category == Category.HOST_OOM, diag.summary
+
+
+def test_soft_cancel_reaches_the_trainer_with_sigterm(slurm, tmp_path):
+    marker = tmp_path / "got_term"
+    sub, log = go(tmp_path, [*py(TERM_HANDLER), str(marker)], "cancel")
+    wait_file(log, lambda t: "ready" in t)
+    assert wait_state(sub.job_id, lambda s: s.state == "RUNNING").start_time is not None
+    t0 = time.monotonic()
+    sl.cancel(sub.job_id, hard=False)
+    wait_file(marker, timeout=15)
+    assert marker.read_text() == "got SIGTERM"  # exec: no shell between Slurm and the trainer
+    sl.cancel(sub.job_id, hard=True)            # the caller's escalation; Slurm records CANCELLED
+    st = wait_terminal(sub.job_id, timeout=45)
+    assert st.state in ("CANCELLED", "COMPLETED"), st
+    if st.state == "CANCELLED":
+        assert sl.verdict(st, log.read_text())["cancelled"]
+    assert time.monotonic() - t0 < 40
+    sl.cancel(sub.job_id, hard=True)            # cancelling a finished job is not an error
+
+
+def test_requeue_appends_output_and_is_not_the_same_run(slurm, tmp_path):
+    sub, log = go(tmp_path, ["bash", "-c", 'echo "run ${SLURM_RESTART_COUNT:-0}"; exec sleep 300'], "requeue",
+                  request=sl.SlurmJobRequest(mem="100M"))
+    first = wait_state(sub.job_id, lambda s: s.state == "RUNNING")
+    wait_file(log, lambda t: "run 0" in t)
+    rec = sl.observed(sub, first)
+    assert sl.same_run(rec, first) and sl.same_run(rec, sl.query(sub.job_id))
+    subprocess.run(["scontrol", "requeue", sub.job_id], check=True, timeout=30)
+    wait_state(sub.job_id, lambda s: s.restarts == 1, timeout=20, what="Restarts=1")
+    subprocess.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"], check=True, timeout=30)
+    again = wait_state(sub.job_id, lambda s: s.state == "RUNNING" and s.restarts == 1, timeout=30)
+    text = wait_file(log, lambda t: "run 1" in t)
+    assert "run 0" in text and text.index("run 0") < text.index("run 1")  # appended, not truncated
+    assert not sl.same_run(rec, again)
+    sl.cancel(sub.job_id, hard=True, kill_now=True)
+    wait_terminal(sub.job_id, timeout=30)
+
+
+def test_query_many_one_call_and_unknown_ids(slurm, tmp_path):
+    sub, _ = go(tmp_path, py("import time; time.sleep(2)"), "many", request=sl.SlurmJobRequest(mem="100M"))
+    got = sl.query_many([sub.job_id, "999999"], max_age_s=0)
+    assert set(got) == {sub.job_id} and got[sub.job_id].running and got[sub.job_id].source == "squeue"
+    assert sl.query_many(["999999"], max_age_s=0) == {}
+    assert sl.query("999999") is None
+
+
+def test_submit_refused_says_why(slurm, tmp_path):
+    with pytest.raises(sl.SlurmError, match="(?i)partition"):
+        go(tmp_path, py("pass"), "badpart", settings=sl.SlurmSettings(partition="no-such-partition"))
+
+
+def test_time_limit_is_timeout(slurm, timeout_job):
+    sub, log = timeout_job
+    st = wait_terminal(sub.job_id, timeout=120)
+    assert st.state == "TIMEOUT", st
+    v = sl.verdict(st, log.read_text(errors="replace"))
+    assert v["timeout"] and not v["interrupted"] and v["host"]["cgroup_oom_kills"] == 0
+    assert "DUE TO TIME LIMIT" in log.read_text()
