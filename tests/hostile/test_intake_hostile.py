@@ -92,7 +92,7 @@ def test_parse_limits_reject_bombs_quickly(env, text, needle):
     put(spool, "bomb.yaml", text)
     t0 = time.monotonic()
     res = run(env)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5.0  # before: RecursionError, or 75 s and 6 GB for a bomb
     assert res.accepted == [] and needle in only_reason(spool)
 
 
@@ -100,7 +100,7 @@ def test_billion_laughs_through_submit_function_is_refused_fast(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(JobFileError) as err:
         parse_job_text(BILLION_LAUGHS, submit_dir=tmp_path)
-    assert time.monotonic() - t0 < 1.0 and "aliases are expanded" in err.value.report()
+    assert time.monotonic() - t0 < 5.0 and "aliases are expanded" in err.value.report()
 
 
 def test_a_few_aliases_are_still_fine(tmp_path):
@@ -357,3 +357,18 @@ def test_huge_integer_in_training_keys_is_rejected(env):
     assert run(env).accepted == [] and store.jobs() == []
     text = only_reason(spool)
     assert "line 3: per_device_train_batch_size" in text and "64 bits" in text
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("model_name_or_path: m\n" + "".join(f"kq{i}zz: {i}\n" for i in range(5000)), "top-level keys"),
+    ("model_name_or_path: m\ndeepspeed:\n  zero_optimization:\n" + "".join(f"    kq{i}zz: {i}\n" for i in range(5000)),
+     "more than 1000 mapping keys"),
+])
+def test_thousands_of_unknown_keys_are_refused_quickly(env, text, needle):
+    """Found while fuzzing: every unknown key costs a nearest-key search; 45,000 of them
+    (a 740 KB file) held intake for 170 s, 5,000 for 13 s."""
+    spool, _, _ = env
+    put(spool, "keys.yaml", text)
+    t0 = time.monotonic()
+    assert run(env).accepted == []
+    assert time.monotonic() - t0 < 5.0 and needle in only_reason(spool)
