@@ -277,7 +277,7 @@ def kill_storm(root: Path, *, kills: int = 60, jobs: int = 8, max_parallel: int 
             if victims:
                 kill_all([rng.choice(victims)])
                 rep.kills[what] += 1
-            if rep.total_kills % 10 == 0:
+            if victims and rep.total_kills % 10 == 0:
                 log(f"  ... {rep.total_kills} kills, {time.monotonic() - t0:.0f}s")
         while next_file < jobs:
             drop_job(next_file)
@@ -288,7 +288,8 @@ def kill_storm(root: Path, *, kills: int = 60, jobs: int = 8, max_parallel: int 
 
         def settled():
             rows = rec.jobs()
-            return len(rows) >= jobs and all(r["state"] in TERMINAL for r in rows) and not trainings(work)
+            return (len(rows) >= jobs and all(r["state"] in TERMINAL for r in rows) and not trainings(work)
+                and not shims(state))
 
         try:
             rec.wait(settled, drain_s, "every job terminal and no training left", d, step=0.2)
@@ -317,7 +318,7 @@ def _judge(rep: StormReport, rec: Record, names: list[str], work: Path, state: P
         if twice.exists():
             rep.twice[n] = twice.read_text().strip().splitlines()[0]
     rep.integrity = rec.integrity()
-    rep.leftover = trainings(work)
+    rep.leftover = trainings(work) + shims(state)
     for r in rows:
         rep.states[r["state"]] = rep.states.get(r["state"], 0) + 1
         if r["state"] not in TERMINAL:
