@@ -2,7 +2,8 @@
 
 A meta-path finder that answers for the watched names only: it lets the normal machinery find
 the module, then wraps that spec's loader so `callback(module)` runs once the module body has
-executed. A module already imported gets its callbacks at once.
+executed. A module already imported gets its callbacks at once. A spec that is only looked
+up (`importlib.util.find_spec`), never executed, triggers nothing.
 """
 
 import importlib.util
@@ -46,9 +47,8 @@ class _Finder:
         loader = getattr(spec, "loader", None)
         if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
             return spec  # a shared (class) loader: leave it alone
-        callbacks = _pending.pop(name)
-        if not _pending and self in sys.meta_path:
-            sys.meta_path.remove(self)
+        # Callbacks are taken when the module body runs, not here: `importlib.util.find_spec`
+        # (how libraries ask "is torch installed?") reaches this finder without importing.
         original = loader.exec_module
 
         def exec_module(module):
@@ -59,7 +59,11 @@ class _Finder:
                     del loader.exec_module  # back to the class's method
                 except AttributeError:
                     pass
-            _run(name, module, callbacks)
+            callbacks = _pending.pop(name, None)
+            if not _pending and self in sys.meta_path:
+                sys.meta_path.remove(self)
+            if callbacks:
+                _run(name, module, callbacks)
 
         loader.exec_module = exec_module
         return spec
