@@ -34,7 +34,9 @@ ROOT, COMM, CRASH, MARKER, HINT = 1, 2, 3, 4, 5
 # allocator-conf warning or torchrun "[default0]:" line a candidate.
 _EXCEPTION_TRIGGERS = ("Error:", "Exception:", "MemoryError", "AssertionError", "KeyboardInterrupt", "Traceback (most", 'File "')
 _MARKER_TRIGGERS = (
-    "{'loss': ", '{"loss": ', " example:", "input_ids:",
+    # Only BAD logged steps are candidates (healthy ones, one per logging step, stay out of the
+    # Python path); the scanner tells "in a row" by looking for a dict between two bad ones.
+    "'loss': 0.0,", "'loss': 0,", " example:", "input_ids:",
     "Loading checkpoint shards", "loading weights file", "*****", "Saving model checkpoint", "Loading model from",
     "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW",
     "local_rank", "is ready now", "Deleting older checkpoint", "Gradient overflow",

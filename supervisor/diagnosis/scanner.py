@@ -54,6 +54,7 @@ SAMPLE_MAX_BYTES = 4 << 20  # a printed sample block longer than this is ended b
 SHAPES = 4096  # remembered shapes of lines that can no longer change the verdict
 SHAPE_LINE = 1024  # longer candidate lines are always read
 _DIGITS = b"0123456789"
+_LOGGED = b"{'loss': "
 NUMERIC_RUN = 3  # consecutive logged steps with a non-finite or exactly-zero loss that stop the attempt
 # The trainer's logged dicts: {'loss': nan, 'grad_norm': inf, 'learning_rate': 1e-05, 'epoch': 0.1}
 _LOGGED_LOSS_RE = re.compile(r"""^\{['"]loss['"]:\s*(?:np\.float\d+\()?([-+\w.]+)""")
@@ -210,6 +211,8 @@ class LogScanner:
         self.internal_errors = 0  # lines the scanner failed on (skipped; never raised to the caller)
         self._numeric_run: list[tuple[int, str, str]] = []  # (line, text, what) of consecutive bad logged steps
         self._numeric_fired = False
+        self._region = 0  # count of regions read, to place the last bad logged step
+        self._last_bad: tuple[int, int] | None = None  # (region, offset) of the last bad logged step
         # Shapes (digits removed) of candidate lines that matched only rules whose evidence is
         # already full, outside any traceback: the same shape again is skipped without decoding,
         # so a keyword flood ("[rank0]: Error: sample 123 skipped" x 10^6) costs a dict lookup a line.
@@ -409,6 +412,15 @@ class LogScanner:
         self._remember_tail(buf, start, end, base, nlines)
 
     def _scan_plain(self, buf: bytes, start: int, end: int, fatal: list[Evidence]) -> None:
+        self._region += 1
+        self._scan_lines(buf, start, end, fatal)
+        if self._numeric_run:  # a logged step after the last bad one (healthy: not a candidate) ends the run
+            last = self._last_bad
+            after = last[1] + 1 if last is not None and last[0] == self._region else start
+            if buf.find(_LOGGED, after, end) >= 0:
+                self._numeric_run.clear()
+
+    def _scan_lines(self, buf: bytes, start: int, end: int, fatal: list[Evidence]) -> None:
         base = self._lines
         self._rs = start
         if self._needle is None:
@@ -453,7 +465,8 @@ class LogScanner:
         shape = None
         if we - ws <= SHAPE_LINE and ws == ls:
             shape = window.translate(None, _DIGITS)
-            if shape in self._shapes and not self._tb_at and line_no > self._exc_until:
+            if shape in self._shapes and line_no > self._exc_until and not any(
+                    line_no - at <= TB_GAP for at in self._tb_at.values()):
                 self._skipped[shape] = (line_no, window)  # its "latest" finding is read if asked for
                 return
         self._cacheable = shape is not None
@@ -539,6 +552,11 @@ class LogScanner:
         m = _LOGGED_LOSS_RE.match(t)
         if not m:
             return
+        if self._numeric_run:  # healthy logged steps are not candidates: look for one since the last bad
+            last = self._last_bad
+            after = last[1] + 1 if last is not None and last[0] == self._region else self._rs
+            if buf.find(_LOGGED, after, ls) >= 0:
+                self._numeric_run.clear()
         what = _bad_value(m.group(1), zero_is_bad=True)
         if what is None:
             g = _LOGGED_GRAD_RE.search(t)
@@ -550,6 +568,7 @@ class LogScanner:
             self._numeric_run.clear()
             return
         self._numeric_run.append((line_no, t[:EVIDENCE_CHARS], what))
+        self._last_bad = (self._region, ls)
         if len(self._numeric_run) < NUMERIC_RUN or self._numeric_fired:
             return
         self._numeric_fired = True

@@ -294,3 +294,32 @@ def test_an_oom_before_the_bar_total_is_known_is_judged_the_same_however_the_log
     s.feed(data[:1])
     s.feed(data[1:])
     assert s.finish().to_dict() == whole.to_dict()
+
+
+def test_an_unclosed_traceback_does_not_disable_the_flood_fast_path():
+    import time
+
+    flood = b"".join(b"[rank0]: Error: sample %d skipped (CUDA out of memory. Tried to allocate 2.00 GiB)\n" % i
+                     for i in range(40000))
+    s = LogScanner()
+    s.feed(b"Traceback (most recent call last):\n")  # never closed
+    t0 = time.perf_counter()
+    s.feed(flood)
+    fast = time.perf_counter() - t0
+    s2 = LogScanner(max_evidence_per_rule=10**9)  # nothing is ever "full": every line is read
+    t0 = time.perf_counter()
+    s2.feed(flood[: len(flood) // 8])
+    slow_per_line = (time.perf_counter() - t0) / 5000
+    assert fast / 40000 < slow_per_line / 3, (fast, slow_per_line)
+    assert s.finish(ExitRecord(1)).evidence[0].line_no == 2  # the earliest hint is still the evidence
+
+
+def test_a_healthy_logged_step_between_bad_ones_resets_the_run_across_chunks():
+    s = LogScanner()
+    assert s.feed(_logged(b"nan") * 2) == []
+    assert s.feed(_logged(b"1.25")) == []  # healthy: not even a candidate line
+    assert s.feed(_logged(b"nan") * 2) == []
+    assert [e.rule for e in s.feed(_logged(b"nan"))] == ["numeric_run"]
+    t = LogScanner()
+    assert t.feed(_logged(b"nan")) == [] and t.feed(_logged(b"inf")) == []
+    assert [e.rule for e in t.feed(_logged(b"nan"))] == ["numeric_run"]
