@@ -210,7 +210,7 @@ def load_config(path: Path | None = None, *, state_dir: Path | None = None,
     data: dict[str, Any] = {}
     if conf_path.exists():
         try:
-            data = yaml.load(conf_path.read_text(), Loader=_Loader) or {}  # noqa: S506 (safe subclass)
+            data = yaml.load(conf_path.read_text(), Loader=_Loader) or {}  # a SafeLoader subclass
         except yaml.YAMLError as exc:
             raise ConfigError(f"{conf_path}: YAML does not parse: {exc}") from None
         if not isinstance(data, dict):

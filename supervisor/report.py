@@ -306,7 +306,7 @@ def _ts(t: float | None) -> str:
 def _dur(s: float | None) -> str:
     if s is None:
         return "-"
-    s = int(round(s))
+    s = round(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
@@ -389,8 +389,8 @@ text-align:left}th{background:#f0f3f7}h1{font-size:22px}h2{font-size:18px;border
 
 
 def render_html(night: Night, pngs: dict[int, bytes]) -> str:
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(_title(night))}</title>"
-             f"<style>{CSS}</style></head><body>", f"<h1>{html.escape(_title(night))}</h1>",
+    parts = [(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(_title(night))}</title>"
+              f"<style>{CSS}</style></head><body>"), f"<h1>{html.escape(_title(night))}</h1>",
              f"<p class='muted'>Generated {html.escape(_ts(night.generated_at))}.</p>",
              "<h2>The night</h2>", _html_table(night_rows(night))]
     if not night.jobs:

@@ -30,7 +30,7 @@ def scrape(addr) -> str:
 
 
 def test_scrape_the_real_endpoint(tmp_path, rlog):
-    state, store = build_night(tmp_path)
+    _, store = build_night(tmp_path)
     m = Metrics(MetricsSpec(address="127.0.0.1:0", textfile=tmp_path / "prom" / "oom.prom"), log=rlog.log)
     addr = m.start()
     try:
@@ -74,7 +74,7 @@ def test_scrape_the_real_endpoint(tmp_path, rlog):
 
 
 def test_running_job_falls_back_to_the_record_and_the_queue_pause_shows(tmp_path):
-    state, store = build_night(tmp_path)
+    _, store = build_night(tmp_path)
     store.set_meta("queue_paused", "job 2: disk full")
     m = Metrics(None)
     m.update(store, [RunningJob(2, "qwen-7b-sft", 2)])
