@@ -39,6 +39,16 @@ def status_line(*, running: int, queued: int, waiting: int = 0, paused: str | No
     return " ".join(line.split())[:200]  # one line, bounded
 
 
+def status_from_store(store, *, running: int) -> str:
+    """status_line from the record: queued counts interrupted jobs too (they resume next)."""
+    n: dict[str, int] = {}
+    for (state,) in store.conn.execute("SELECT state FROM jobs WHERE state IN "
+                                       "('queued', 'interrupted', 'waiting_retry')"):
+        n[state] = n.get(state, 0) + 1
+    return status_line(running=running, queued=n.get("queued", 0) + n.get("interrupted", 0),
+                       waiting=n.get("waiting_retry", 0), paused=store.get_meta("queue_paused"))
+
+
 class ServiceNotifier:
     def __init__(self, address: str | None, *, watchdog_s: float | None = None, log=None,
                  clock=time.monotonic) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.sdnotify import ServiceNotifier, status_line, watchdog_interval
+from supervisor.sdnotify import ServiceNotifier, status_from_store, status_line, watchdog_interval
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -111,3 +111,12 @@ def test_watchdog_pings_at_most_each_interval():
 def test_status_line_is_one_bounded_line():
     line = status_line(running=2, queued=0, waiting=1, paused="x\n" * 500)
     assert "\n" not in line and len(line) <= 200 and line.startswith("2 running, 0 queued, 1 waiting")
+
+
+def test_status_from_the_record(tmp_path):
+    from .night import build_night
+
+    _, store = build_night(tmp_path)
+    assert status_from_store(store, running=1) == "1 running, 1 queued"
+    store.set_meta("queue_paused", "job 2: disk full on /data")
+    assert status_from_store(store, running=0) == "0 running, 1 queued; queue PAUSED: job 2: disk full on /data"
