@@ -9,7 +9,6 @@ the record, so they survive daemon restarts (and are counters: the record only g
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from .states import JobState
 
 PREFIX = "oom_supervisor"
 OOM_CATEGORIES = ("gpu_oom", "host_oom")
+RECORD_REFRESH_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -37,16 +37,6 @@ class RunningJob:
     tokens_per_s: float | None = None
     peak_host_bytes: int | None = None
     peak_gpu_bytes: int | None = None
-
-
-def attempt_outcome(ended_at, interrupted, diagnosis_json: str | None) -> str:
-    if ended_at is None:
-        return "running"
-    if interrupted:
-        return "interrupted"
-    if diagnosis_json:
-        return str(json.loads(diagnosis_json).get("category") or "unknown")
-    return "unknown"
 
 
 class _Snapshot:
@@ -71,6 +61,8 @@ class Metrics:
         self.httpd = None
         self.address: tuple[str, int] | None = None
         self._last_textfile = float("-inf")
+        self._record: list | None = None
+        self._record_at = float("-inf")
 
     # --- outputs -------------------------------------------------------------------
     def start(self) -> tuple[str, int] | None:
@@ -121,40 +113,51 @@ class Metrics:
         self.loop_latency.observe(seconds)
 
     def update(self, store, running: list[RunningJob] = ()) -> None:
-        """Rebuild the snapshot from the record and the live facts, then the textfile if due."""
-        self._snapshot.families = build_families(store, running)
+        """Call every tick. Live facts are taken each time; the record's totals are re-read at
+        most every `RECORD_REFRESH_S` (a few ms per thousand attempts). Then the textfile if due."""
+        now = self.clock()
+        if self._record is None or now - self._record_at >= RECORD_REFRESH_S:
+            self._record, self._record_at = record_families(store), now
+        self._snapshot.families = [*self._record, *running_families(store, running)]
         self.write_textfile()
 
 
-def build_families(store, running: list[RunningJob] = ()) -> list:
+_OUTCOME = ("CASE WHEN ended_at IS NULL THEN 'running' WHEN interrupted THEN 'interrupted' "
+            "WHEN json_valid(diagnosis) THEN COALESCE(json_extract(diagnosis, '$.category'), 'unknown') "
+            "ELSE 'unknown' END")
+
+
+def record_families(store) -> list:
+    """The totals, aggregated in SQLite (json_extract): one pass, no JSON decoded in Python."""
     c = store.conn
     fam = []
-
     jobs = GaugeMetricFamily(f"{PREFIX}_jobs", "Jobs by state", labels=["state"])
-    by_state = Counter(r[0] for r in c.execute("SELECT state FROM jobs"))
+    by_state = dict(c.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall())
     for s in JobState:
         jobs.add_metric([str(s)], by_state.get(str(s), 0))
     fam.append(jobs)
-
     paused = store.get_meta("queue_paused")
     fam.append(GaugeMetricFamily(f"{PREFIX}_queue_paused", "1 while the queue is paused (see `status`)",
                                  value=1 if paused else 0))
 
+    rows = c.execute(
+        f"SELECT {_OUTCOME} AS outcome,"
+        " CASE WHEN json_valid(diagnosis) THEN COALESCE(json_extract(diagnosis, '$.vendor'), 'unknown') END,"
+        " CASE WHEN json_valid(decision) AND json_extract(decision, '$.kind') = 'escalate'"
+        "      THEN json_extract(decision, '$.rung') END,"
+        " SUM(CASE WHEN ended_at IS NOT NULL AND max_step IS NOT NULL"
+        "          THEN MAX(0, max_step - COALESCE(checkpoint_step_after, resumed_from_step, 0)) ELSE 0 END),"
+        " COUNT(*) FROM attempts GROUP BY 1, 2, 3").fetchall()
     outcomes, ooms, remedies = Counter(), Counter(), Counter()
     lost = 0
-    for ended, interrupted, diag, decision, max_step, ckpt_after, resumed_step in c.execute(
-            "SELECT ended_at, interrupted, diagnosis, decision, max_step, checkpoint_step_after,"
-            " resumed_from_step FROM attempts"):
-        outcome = attempt_outcome(ended, interrupted, diag)
-        outcomes[outcome] += 1
+    for outcome, vendor, rung, steps, n in rows:
+        outcomes[outcome] += n
         if outcome in OOM_CATEGORIES:
-            ooms[(outcome, json.loads(diag).get("vendor") or "unknown")] += 1
-        dec = json.loads(decision) if decision else {}
-        if dec.get("kind") == "escalate" and dec.get("rung"):
-            remedies[dec["rung"]] += 1
-        if ended is not None and outcome != "success" and max_step is not None:
-            kept = ckpt_after if ckpt_after is not None else (resumed_step or 0)
-            lost += max(0, max_step - kept)
+            ooms[(outcome, vendor or "unknown")] += n
+        if rung:
+            remedies[rung] += n
+        if outcome != "success":
+            lost += steps or 0
 
     f = CounterMetricFamily(f"{PREFIX}_attempts", "Attempts by outcome (a diagnosis category, running, "
                             "interrupted)", labels=["outcome"])
@@ -175,7 +178,10 @@ def build_families(store, running: list[RunningJob] = ()) -> list:
     quarantined = c.execute("SELECT COUNT(*) FROM events WHERE kind='checkpoint_quarantined'").fetchone()[0]
     fam.append(CounterMetricFamily(f"{PREFIX}_checkpoints_quarantined",
                                    "Incomplete checkpoints moved aside", value=quarantined))
+    return fam
 
+
+def running_families(store, running: list[RunningJob] = ()) -> list:
     labels = ["job", "name", "attempt"]
     step = GaugeMetricFamily(f"{PREFIX}_job_step", "Global step of a running job", labels=labels)
     total = GaugeMetricFamily(f"{PREFIX}_job_total_steps", "Total steps of a running job", labels=labels)
@@ -195,5 +201,8 @@ def build_families(store, running: list[RunningJob] = ()) -> list:
             value = live if live is not None else stored
             if value is not None:
                 family.add_metric(lv, value)
-    fam += [step, total, tps, host, gpu]
-    return fam
+    return [step, total, tps, host, gpu]
+
+
+def build_families(store, running: list[RunningJob] = ()) -> list:
+    return record_families(store) + running_families(store, running)

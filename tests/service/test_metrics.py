@@ -108,3 +108,22 @@ def test_textfile_is_rewritten_at_its_interval(tmp_path):
     t[0] = 15.0
     assert m.write_textfile()
     assert (tmp_path / "m.prom").stat().st_mtime_ns >= first
+
+
+def test_totals_are_reread_at_most_every_few_seconds_live_facts_every_tick(tmp_path):
+    _, store = build_night(tmp_path)
+    t = [100.0]
+    m = Metrics(None, clock=lambda: t[0])
+    m.update(store, [RunningJob(2, "qwen-7b-sft", 2, step=41)])
+    store.add_job(name="late", kind="command", priority=0, policy=None, workdir="/", source=None, spool_key=None)
+    t[0] += 1
+    m.update(store, [RunningJob(2, "qwen-7b-sft", 2, step=42)])
+    got = samples(m.render())
+    job = (("attempt", "2"), ("job", "2"), ("name", "qwen-7b-sft"))
+    assert got[("oom_supervisor_job_step", job)] == 42
+    assert got[("oom_supervisor_jobs", (("state", "queued"),))] == 1, "the record is not re-read every tick"
+    t[0] += 5
+    m.update(store, [])
+    got = samples(m.render())
+    assert got[("oom_supervisor_jobs", (("state", "queued"),))] == 2
+    assert ("oom_supervisor_job_step", job) not in got, "a job that stopped running is gone"
