@@ -90,7 +90,7 @@ def test_system_unit_keeps_what_trainings_and_adoption_need():
     assert keys["CapabilityBoundingSet"] == "" and keys["UMask"] == "0077"
     assert keys["SystemCallErrorNumber"] == "EPERM", "a filtered call must not SIGSYS a training"
     allowed = re.findall(r"^DeviceAllow=(\S+)", text, re.MULTILINE)
-    assert "/dev/kfd" in allowed and "char-drm" in allowed and "char-nvidia-frontend" in allowed
+    assert "char-kfd" in allowed and "char-drm" in allowed and "char-nvidia-frontend" in allowed
     assert not re.search(r"^ReadWritePaths=", text, re.MULTILINE), "writable paths live in paths.conf only"
     assert "ReadWritePaths" in (UNITS / "oom-supervisor.service.d/paths.conf").read_text()
 
