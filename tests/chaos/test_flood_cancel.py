@@ -25,7 +25,7 @@ def test_a_flooded_log_stays_under_max_log_bytes(tmp_path):
         pytest.fail("the daemon config has no `max_log_bytes` key: the attempt log has no cap")
     r = flood_cancel(tmp_path, flood_s=4.0, max_log_bytes=CAP)
     print(r)
-    slack = 4 << 20  # the cap is checked between writes, not on each one
+    slack = max(4 << 20, CAP // 4)  # the cap is checked between writes, not on each one
     assert r["peak_log"] <= CAP + slack, f"output.log reached {r['peak_log']} bytes, cap {CAP}: {r}"
     assert r["total_log"] <= 3 * CAP + slack, f"the log and its kept parts reached {r['total_log']} bytes: {r}"
     assert r["state"] == "cancelled"
