@@ -41,7 +41,7 @@ def test_escalated_attempt_trains_under_the_generated_deepspeed_config(tmp_path,
     cfg = tiny_job(Path("out"), max_steps=4, save_steps=2)  # relative output_dir: cwd = workdir
     spec = parse_job_text(yaml.safe_dump(cfg), source="tiny.yaml", submit_dir=work)
 
-    ctx = job(dict(spec.config), torch_version="2.5.1")
+    ctx = job(dict(spec.config), torch_version="2.5.1", visible_gpu_count=0)  # this CPU box
     h, ov = [], Overrides()
     for n, d_oom in enumerate([oom(Phase.MODEL_LOAD), oom(subkind="library"), oom(frag=True)], 1):
         h.append(attempt(n, ov, d_oom))
