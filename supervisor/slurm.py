@@ -37,10 +37,11 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -210,7 +211,7 @@ class SlurmJobState:
 def _run(argv: list[str], env: Mapping[str, str] | None = None, timeout: float = CMD_TIMEOUT_S,
          ok_codes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
     try:
-        res = subprocess.run(argv, capture_output=True, text=True, env=None if env is None else dict(env),
+        res = subprocess.run(argv, check=False, capture_output=True, text=True, env=None if env is None else dict(env),
                              timeout=timeout, errors="replace")
     except FileNotFoundError as e:
         raise SlurmError(f"{argv[0]} not found: is the Slurm client installed and on PATH?") from e

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def slurm() -> str:
     """SLURM_CONF of the running test cluster (also exported to this process for the clients)."""
     try:
-        res = subprocess.run(["bash", str(REPO / "scripts" / "slurm.sh"), "up"], capture_output=True,
+        res = subprocess.run(["bash", str(REPO / "scripts" / "slurm.sh"), "up"], check=False, capture_output=True,
                              text=True, timeout=300)
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith("SLURM_CONF=")]
         why = None if res.returncode == 0 and lines else \
@@ -64,6 +64,16 @@ def wait_file(path: Path, pred=lambda text: bool(text), timeout: float = 30) -> 
             return text
         time.sleep(0.2)
     raise AssertionError(f"{path}: condition not met within {timeout} s; content {text[-2000:]!r}")
+
+
+def go(tmp_path: Path, argv: list[str], name: str = "t", *, request=None, settings=None, env=None):
+    att = tmp_path / name
+    att.mkdir(parents=True, exist_ok=True)
+    log = att / "train.log"
+    sub = sl.submit(att, log, argv, tmp_path, {**os.environ, **(env or {})},
+                    settings=settings or sl.SlurmSettings(), request=request or sl.SlurmJobRequest(mem="300M"),
+                    job_name=f"oomsup-test-{name}")
+    return sub, log
 
 
 def py(code: str) -> list[str]:

@@ -88,7 +88,8 @@ def test_batch_script_execs_and_multinode_uses_llamafactory_names():
 
 
 def _state(**kw) -> sl.SlurmJobState:
-    base = dict(job_id="7", state="RUNNING", submit_time=1000.0, start_time=1003.0, job_name="oomsup-1-2")
+    base = {"job_id": "7", "state": "RUNNING", "submit_time": 1000.0, "start_time": 1003.0,
+            "job_name": "oomsup-1-2"}
     return sl.SlurmJobState(**{**base, **kw})
 
 

@@ -6,7 +6,6 @@ plus slurmctld's 30 s check period) overlaps the other tests.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from supervisor import slurm as sl
 from supervisor.diagnosis import diagnose_bytes
 from supervisor.models import Category, ExitRecord, HostEvidence
 
-from .conftest import py, wait_file, wait_state, wait_terminal
+from .conftest import go, py, wait_file, wait_state, wait_terminal
 
 ALLOC = ("import time\nb=[]\nfor i in range(400):\n    b.append(bytearray(16 << 20))\n"
          "    print('allocated', (i + 1) * 16, 'MiB', flush=True)\n    time.sleep(0.01)\n")
@@ -25,16 +24,6 @@ TERM_HANDLER = ("import signal, sys, time, pathlib\n"
                 "def on_term(n, f):\n    pathlib.Path(sys.argv[1]).write_text('got SIGTERM')\n    sys.exit(0)\n"
                 "signal.signal(signal.SIGTERM, on_term)\nprint('ready', flush=True)\n"
                 "while True:\n    time.sleep(0.1)\n")
-
-
-def go(tmp_path: Path, argv: list[str], name: str = "t", *, request=None, settings=None, env=None):
-    att = tmp_path / name
-    att.mkdir(parents=True, exist_ok=True)
-    log = att / "train.log"
-    sub = sl.submit(att, log, argv, tmp_path, {**os.environ, **(env or {})},
-                    settings=settings or sl.SlurmSettings(), request=request or sl.SlurmJobRequest(mem="300M"),
-                    job_name=f"oomsup-test-{name}")
-    return sub, log
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -132,9 +121,14 @@ def test_requeue_appends_output_and_is_not_the_same_run(slurm, tmp_path):
     rec = sl.observed(sub, first)
     assert sl.same_run(rec, first) and sl.same_run(rec, sl.query(sub.job_id))
     subprocess.run(["scontrol", "requeue", sub.job_id], check=True, timeout=30)
-    wait_state(sub.job_id, lambda s: s.restarts == 1, timeout=20, what="Restarts=1")
-    subprocess.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"], check=True, timeout=30)
-    again = wait_state(sub.job_id, lambda s: s.state == "RUNNING" and s.restarts == 1, timeout=30)
+    wait_state(sub.job_id, lambda s: s.restarts == 1 and s.state == "PENDING", timeout=20, what="requeued")
+
+    def started(s):  # a requeued job waits for its begin time (~135 s) unless told to start now
+        if s.state == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"], check=True, timeout=30)
+        return s.state == "RUNNING" and s.restarts == 1
+
+    again = wait_state(sub.job_id, started, timeout=30)
     text = wait_file(log, lambda t: "run 1" in t)
     assert "run 0" in text and text.index("run 0") < text.index("run 1")  # appended, not truncated
     assert not sl.same_run(rec, again)
@@ -153,6 +147,14 @@ def test_query_many_one_call_and_unknown_ids(slurm, tmp_path):
 def test_submit_refused_says_why(slurm, tmp_path):
     with pytest.raises(sl.SlurmError, match="(?i)partition"):
         go(tmp_path, py("pass"), "badpart", settings=sl.SlurmSettings(partition="no-such-partition"))
+
+
+def test_up_is_idempotent(slurm):
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", "scripts/slurm.sh", "up"], check=False, capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == f"SLURM_CONF={slurm}"
+    assert time.monotonic() - t0 < 10
 
 
 def test_time_limit_is_timeout(slurm, timeout_job):

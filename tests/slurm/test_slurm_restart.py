@@ -1,0 +1,58 @@
+"""A slurmctld killed with -9 right after a job started (its own module: the restart disturbs
+every job in flight, so it runs after test_slurm_real's jobs are done).
+
+slurm.md saw the job left PENDING in the saved state and relaunched under the same id with
+Restarts=0; here it was also seen lost outright (submitted after the last state save: an
+"Orphan StepId" the restarted controller kills) - and then the NEXT sbatch gets the same id.
+Whichever way it goes, same_run must agree with the runs the log shows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from supervisor import slurm as sl
+
+from .conftest import go, wait_file, wait_state, wait_terminal
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_controller_killed_right_after_start(slurm, tmp_path):
+    sub, log = go(tmp_path, ["bash", "-c", 'echo "run-token $$"; exec sleep 300'], "relaunch",
+                  request=sl.SlurmJobRequest(mem="100M"))
+    first = wait_state(sub.job_id, lambda s: s.state == "RUNNING", timeout=30)
+    rec = sl.observed(sub, first)
+    wait_file(log, lambda t: "run-token" in t)
+    os.kill(int(Path(slurm).with_name("slurmctld.pid").read_text()), 9)
+    time.sleep(0.5)
+    up = subprocess.run(["bash", "scripts/slurm.sh", "up"], check=False, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert up.returncode == 0, up.stderr
+    deadline = time.monotonic() + 15
+    now = sl.query(sub.job_id)
+    while now is not None and now.state == "RUNNING" and now.start_time == first.start_time \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = sl.query(sub.job_id)
+    seen = "lost" if now is None else "relaunched" if (now.state == "PENDING" or now.start_time != first.start_time) \
+        else "same"
+    print(f"after kill -9 of slurmctld: {seen}")
+    if seen == "same":
+        assert sl.same_run(rec, now) and log.read_text().count("run-token") == 1
+    elif seen == "relaunched":
+        assert not sl.same_run(rec, now)
+        again = wait_state(sub.job_id, lambda s: s.state == "RUNNING", timeout=60, what="second run")
+        assert not sl.same_run(rec, again) and again.restarts == first.restarts  # the id alone lies
+        text = wait_file(log, lambda t: t.count("run-token") == 2)  # appended, the first run kept
+        assert len({ln for ln in text.splitlines() if ln.startswith("run-token")}) == 2
+    else:
+        # The controller forgot the job; its id is free again and the next job may take it.
+        other, _ = go(tmp_path, ["sleep", "1"], "other", request=sl.SlurmJobRequest(mem="100M"))
+        st = wait_terminal(other.job_id, timeout=30)
+        if other.job_id == sub.job_id:
+            assert not sl.same_run(rec, st)  # another job under our id: the name tells
+    sl.cancel(sub.job_id, hard=True, kill_now=True)
+    if sl.query(sub.job_id) is not None:
+        wait_terminal(sub.job_id, timeout=30)
