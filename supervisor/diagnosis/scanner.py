@@ -689,7 +689,9 @@ class LogScanner:
             self._cacheable = False
         if structural:
             self._cacheable = False
-        self._latest[hit.rule] = f
+        prev = self._latest.get(hit.rule)
+        if prev is None or prev.line_no <= line_no:  # a replayed skipped line is older than a newer finding
+            self._latest[hit.rule] = f
         if hit.fatal and hit.tier != HINT and structural:
             fatal.append(f.evidence())
 

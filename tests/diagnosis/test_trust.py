@@ -323,3 +323,12 @@ def test_a_healthy_logged_step_between_bad_ones_resets_the_run_across_chunks():
     t = LogScanner()
     assert t.feed(_logged(b"nan")) == [] and t.feed(_logged(b"inf")) == []
     assert [e.rule for e in t.feed(_logged(b"nan"))] == ["numeric_run"]
+
+
+def test_a_real_traceback_after_a_keyword_flood_in_one_buffer_is_the_verdict():
+    """Found by bench --flood: the flood's skipped lines, read back at the end, replaced the
+    newer structural OOM as the rule's latest finding."""
+    flood = b"".join(b"[rank1]: ValueError: sample %d: CUDA out of memory. Tried to allocate 2.00 GiB (dataset)\n" % i
+                     for i in range(200))
+    d = diagnose_bytes(flood + tb(b"[rank3]: " + OOM, 3), ExitRecord(1))
+    assert (d.category, d.strength, d.rank) == (Category.GPU_OOM, "structural", 3), d.summary
