@@ -370,7 +370,7 @@ def state_from_scontrol(line: str) -> SlurmJobState:
         memory_limit_bytes=_mem_bytes(kv.get("MinMemoryNode")), source="scontrol")
 
 
-_SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "DerivedExitCode", "Submit", "Start", "End", "NodeList")
+_SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "DerivedExitCode", "Start", "End", "NodeList")
 
 
 def query_jobcomp(job_id: str) -> SlurmJobState | None:
@@ -386,7 +386,8 @@ def query_jobcomp(job_id: str) -> SlurmJobState | None:
     dec, dsig = _codes(r.get("DerivedExitCode"))
     return SlurmJobState(job_id=str(job_id), state=r["State"].split()[0], exit_code=ec, signal=sig,
                          derived_exit_code=dec, derived_signal=dsig, restarts=len(rows) - 1,
-                         submit_time=_epoch(r.get("Submit")), start_time=_epoch(r.get("Start")),
+                         # sacct -c's Submit column is the start time (measured): unknown instead.
+                         submit_time=None, start_time=_epoch(r.get("Start")),
                          end_time=_epoch(r.get("End")), node_list=_null(r.get("NodeList")),
                          job_name=_null(r.get("JobName")), source="sacct-jobcomp")
 

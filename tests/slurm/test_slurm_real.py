@@ -65,6 +65,19 @@ def wait_state_jobcomp(job_id: str, timeout: float = 10):
     raise AssertionError(f"job {job_id} not in the jobcomp file")
 
 
+def test_jobcomp_fallback_never_reports_a_wrong_submit_time(slurm, tmp_path):
+    """Measured: `sacct -c`'s Submit column is the start time. same_run compares submit times,
+    so the fallback must say "unknown" rather than a later time than the real submit."""
+    sub, _ = go(tmp_path, ["true"], "held", request=sl.SlurmJobRequest(mem="100M"),
+                settings=sl.SlurmSettings(extra_args=["--hold"]))
+    time.sleep(2.2)
+    subprocess.run(["scontrol", "release", sub.job_id], check=True, timeout=30)
+    st = wait_terminal(sub.job_id)
+    assert st.start_time - st.submit_time >= 2
+    jc = wait_state_jobcomp(sub.job_id)
+    assert jc.state == "COMPLETED" and jc.submit_time in (None, st.submit_time), (jc, st)
+
+
 def test_over_mem_is_out_of_memory_with_oom_kill_evidence(slurm, tmp_path):
     sub, log = go(tmp_path, py(ALLOC), "oom", request=sl.SlurmJobRequest(mem="200M"))
     st = wait_terminal(sub.job_id)
