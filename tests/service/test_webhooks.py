@@ -81,7 +81,10 @@ def test_a_hanging_server_never_blocks_the_loop(http_server, rlog, monkeypatch):
         t0 = time.perf_counter()
         hooks.send({**EVENT, "job": i})
         times.append(time.perf_counter() - t0)
-    assert max(times) < 0.010, f"send() took {max(times) * 1000:.1f} ms"
+    times.sort()
+    # Typical send() is far below 10 ms; even the slowest (a loaded box can preempt any call) is
+    # far below the 0.5 s the hung server would cost a send that waited on it.
+    assert times[len(times) // 2] < 0.010 and times[-1] < 0.25, f"send() took {times[-1] * 1000:.1f} ms"
     assert wait_until(lambda: len(ok.bodies) == 20, 5), "the healthy hook is not held up by the hung one"
     assert wait_until(lambda: "webhook_failed" in rlog.events(), 5)
     assert "TimeoutError" in rlog.text() or "timed out" in rlog.text()
