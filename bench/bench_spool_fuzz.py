@@ -207,17 +207,33 @@ def main() -> int:
             m2 = INDEX.match(json.loads(src.stdout).get("source") or "")
             idx = int(m2.group(1)) if m2 else -1
         accepted[idx] = accepted.get(idx, 0) + 1
-    with_reason, without_reason = set(), set()
+    # rejected/ keeps the newest 1000, so the daemon's log (one job_rejected line per file, with
+    # its problems) is the record of all; the files still in rejected/ are checked on disk too.
+    with_reason, without_reason, pruned = set(), set(), 0
+    log_text = (root / "daemon.log").read_text(errors="replace")
+    for line in log_text.splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("event") == "job_rejected":
+            m = INDEX.match(ev.get("file") or "")
+            (with_reason if ev.get("problems") else without_reason).add(int(m.group(1)) if m else -1)
+        elif ev.get("event") == "spool_rejected_pruned":
+            pruned += ev.get("removed", 0)
+    on_disk = on_disk_ok = 0
     for p in (spool / "rejected").iterdir():
         if p.name.endswith(".error.txt"):
             continue
-        m = INDEX.match(p.name)
-        idx = int(m.group(1)) if m else -1
+        on_disk += 1
         err = p.with_name(p.name + ".error.txt")
         text = err.read_text(errors="replace") if err.exists() else ""
-        (with_reason if "was refused" in text and "  - " in text else without_reason).add(idx)
-    log_text = (root / "daemon.log").read_text(errors="replace")
-    step_failures = log_text.count('"step_failed"') + log_text.count("step_failed")
+        if "was refused" in text and "  - " in text:
+            on_disk_ok += 1
+        else:
+            m = INDEX.match(p.name)
+            without_reason.add(int(m.group(1)) if m else -1)
+    step_failures = log_text.count("step_failed")
     placed = good | bad
     dropped = placed - set(accepted) - with_reason - without_reason
     print(f"files placed: {len(placed)} ({len(bad)} hostile, {len(good)} good), drop phase "
@@ -225,6 +241,7 @@ def main() -> int:
     print(f"files dropped (neither accepted nor rejected): {len(dropped)}")
     print(f"hostile files rejected with a reason: {len(with_reason & bad)} / {len(bad)}"
           f" (rejected without a reason: {len(without_reason)})")
+    print(f"rejected/ now: {on_disk} files, {on_disk_ok} with a reason beside them; pruned by the daemon: {pruned}")
     print(f"hostile files wrongly accepted: {len(set(accepted) & bad)}")
     print(f"good files accepted: {len(set(accepted) & good)} / {len(good)}, accepted twice: "
           f"{sum(1 for v in accepted.values() if v > 1)}, good wrongly rejected: {len((with_reason | without_reason) & good)}")

@@ -353,7 +353,8 @@ def _reject(spool: SpoolPaths, path: Path, name: str, problems: list[Problem], r
             log.error("spool_reject_failed", file=shown, folder=str(spool.rejected), error=str(exc))
         return
     try:
-        atomic_write_text(dest.with_name(dest.name + ".error.txt"), report, mode=SPOOL_FILE_MODE)
+        # Not fsynced: a report lost to a power cut costs nothing (the file is in rejected/).
+        atomic_write_text(dest.with_name(dest.name + ".error.txt"), report, mode=SPOOL_FILE_MODE, durable=False)
     except OSError as exc:
         if log:
             log.error("spool_reason_not_written", file=shown, folder=str(spool.rejected), error=str(exc))

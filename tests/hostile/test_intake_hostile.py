@@ -372,3 +372,11 @@ def test_thousands_of_unknown_keys_are_refused_quickly(env, text, needle):
     t0 = time.monotonic()
     assert run(env).accepted == []
     assert time.monotonic() - t0 < 5.0 and needle in only_reason(spool)
+
+
+def test_atomic_write_of_a_250_byte_name(tmp_path):
+    """Its temp name (dot + name + random + .tmp) used to exceed the 255-byte limit."""
+    from supervisor.fsutil import atomic_write_text
+
+    atomic_write_text(tmp_path / ("n" * 250), "x")
+    assert (tmp_path / ("n" * 250)).read_text() == "x" and len(os.listdir(tmp_path)) == 1
