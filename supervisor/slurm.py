@@ -17,9 +17,10 @@ API (what the attempt runner calls; every Slurm command runs with a timeout, non
   which forwards to its workers) and leaves the waiting to the caller; hard is ``scancel``
   (SIGTERM, KillWait, SIGKILL to the whole job cgroup) or, with ``kill_now=True``, SIGKILL at once.
 - ``same_run(recorded, now) -> bool``: see its docstring (a job id alone is not proof).
-- ``verdict(state, log_tail) -> dict``: diagnosis evidence: ``exit`` (ExitRecord fields), ``host``
+- ``verdict(state, log_tail, *, requested_mem_bytes=None) -> dict``: diagnosis evidence: ``exit`` (ExitRecord fields), ``host``
   (HostEvidence fields), ``scheduler_state``, ``interrupted``, ``timeout``, ``cancelled``,
-  ``evidence`` (the log lines it rests on).
+  ``evidence`` (the log lines it rests on); ``records(v)`` -> (ExitRecord, HostEvidence).
+- ``observed(submission, state) -> dict``: what to record once the job is seen started.
 
 Multi-node (nodes > 1) is only reasoned, never run here (one node): the batch script ``exec``s
 ``srun --ntasks-per-node=1`` so each node runs one launcher with LLaMA-Factory's own variables
@@ -47,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .fsutil import atomic_write_text
 from .jobspec import parse_duration, parse_size
+from .models import ExitRecord, HostEvidence
 
 CMD_TIMEOUT_S = 30.0
 # squeue/scontrol are RPCs to slurmctld; a site's controller serves every user. One squeue for all
@@ -512,13 +514,14 @@ def _signame(n: int) -> str:
         return f"SIG{n}"
 
 
-def verdict(state: SlurmJobState, log_tail: str) -> dict[str, Any]:
+def verdict(state: SlurmJobState, log_tail: str, *, requested_mem_bytes: int | None = None) -> dict[str, Any]:
     """Slurm's verdict as diagnosis evidence (fields of ExitRecord and HostEvidence).
 
     OOM: OUT_OF_MEMORY, ExitCode or DerivedExitCode ...:125, or the step's "Detected N
     oom-kill event(s)" line; also when the batch script exited 0 (an OOM inside an srun step
     the script did not propagate). Then the exit is reported as the cgroup killer's SIGKILL,
-    since a 0 would read as success. NODE_FAIL/PREEMPTED/BOOT_FAIL are interruptions (resume)."""
+    since a 0 would read as success. NODE_FAIL/PREEMPTED/BOOT_FAIL are interruptions (resume).
+    `records(verdict(...))` gives the ExitRecord and HostEvidence the classifier takes."""
     evidence: list[str] = []
     kills = 0
     for ln in log_tail.splitlines():
@@ -549,8 +552,15 @@ def verdict(state: SlurmJobState, log_tail: str) -> dict[str, Any]:
         if re.search(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ CANCELLED AT", ln):
             evidence.append(ln.strip())
     host = {"cgroup_oom_kills": kills if oom else 0, "limit_mechanism": "slurm-cgroup",
-            "memory_limit_bytes": state.memory_limit_bytes, "scheduler_state": state.state}
+            # The jobcomp fallback has no memory figure: then what the attempt asked sbatch for.
+            "memory_limit_bytes": state.memory_limit_bytes or requested_mem_bytes,
+            "scheduler_state": state.state}
     return {"exit": {"returncode": returncode, "signal": signame}, "host": host,
             "scheduler_state": state.state, "interrupted": state.state in INTERRUPTED_STATES,
             "timeout": state.state in ("TIMEOUT", "DEADLINE"), "cancelled": state.state == "CANCELLED",
             "evidence": evidence}
+
+
+def records(v: Mapping[str, Any]) -> tuple[ExitRecord, HostEvidence]:
+    """A verdict's evidence as the classifier's inputs (diagnose_bytes(log, exit, host))."""
+    return ExitRecord(**v["exit"]), HostEvidence(**v["host"])

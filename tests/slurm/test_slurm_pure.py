@@ -131,3 +131,11 @@ def test_verdict_oom_from_derived_code_and_line_when_batch_exits_0():
     # A plain signal is the signal.
     assert sl.verdict(_state(state="FAILED", exit_code=0, signal=9), "")["exit"] == {"returncode": -9,
                                                                                     "signal": "SIGKILL"}
+
+
+def test_jobcomp_state_takes_the_requested_memory_and_gives_classifier_records():
+    st = _state(state="OUT_OF_MEMORY", exit_code=0, signal=125, source="sacct-jobcomp")
+    v = sl.verdict(st, "", requested_mem_bytes=200 << 20)
+    exit_rec, host = sl.records(v)
+    assert host.memory_limit_bytes == 200 << 20 and host.cgroup_oom_kills == 1
+    assert host.scheduler_state == "OUT_OF_MEMORY" and exit_rec.signal == "SIGKILL"

@@ -14,7 +14,7 @@ import pytest
 
 from supervisor import slurm as sl
 from supervisor.diagnosis import diagnose_bytes
-from supervisor.models import Category, ExitRecord, HostEvidence
+from supervisor.models import Category
 
 from .conftest import go, py, wait_file, wait_state, wait_terminal
 
@@ -35,7 +35,17 @@ def timeout_job(slurm, tmp_path_factory):
 
 def _diagnose(state, log: Path):
     v = sl.verdict(state, log.read_text(errors="replace"))
-    return v, diagnose_bytes(log.read_bytes(), ExitRecord(**v["exit"]), HostEvidence(**v["host"]))
+    exit_rec, host = sl.records(v)
+    return v, diagnose_bytes(log.read_bytes(), exit_rec, host)
+
+
+def test_attempt_env_and_gres_reach_the_job(slurm, tmp_path):
+    code = "import os; print('probe=' + os.environ['OOMSUP_PROBE'], 'cvd=' + os.environ.get('CUDA_VISIBLE_DEVICES', '-'))"
+    sub, log = go(tmp_path, py(code), "env", env={"OOMSUP_PROBE": "a b;c", "SLURM_JOB_ID": "stale"},
+                  request=sl.SlurmJobRequest(mem="100M", gpus_per_node=2))
+    st = wait_terminal(sub.job_id)
+    assert st.state == "COMPLETED", log.read_text()
+    assert "probe=a b;c cvd=0,1" in log.read_text()  # --export=ALL; two fake GPUs by gres
 
 
 def test_exit_0_and_exit_3(slurm, tmp_path):
