@@ -381,7 +381,12 @@ def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnos
     skipped: list[str] = []
     partial: list[tuple[int, str, R.Applied]] = []
     if diag.subkind in R.NON_CACHING_SUBKINDS and "memory_fraction" in order:
-        combo = _capped_smaller_batch(job, current, diag, policy, mem, failed, kwargs_for("micro_batch"))
+        if mem.pytorch_held is None:
+            # A library's own OOM text carries no PyTorch numbers: predict PyTorch's share instead.
+            import dataclasses
+
+            mem = dataclasses.replace(mem, pytorch_held=S.predicted_need(job, current, diag, mem, history))
+        combo = _capped_smaller_batch(job, current, diag, policy, mem, failed, kwargs_for("micro_batch"), history)
         if combo is not None:
             return combo
     for name in order:
@@ -416,7 +421,8 @@ def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnos
 
 
 def _capped_smaller_batch(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy, mem: R.Memory,
-                          failed: set[str], mb_kwargs: dict[str, Any]) -> Decision | None:
+                          failed: set[str], mb_kwargs: dict[str, Any],
+                          history: Sequence[AttemptRecord] = ()) -> Decision | None:
     """An OOM outside PyTorch's allocator where a cap alone would starve PyTorch: the largest
     exact micro-batch split that brings PyTorch under the cap, with the cap, in one step."""
     import dataclasses
@@ -428,10 +434,14 @@ def _capped_smaller_batch(job: JobContext, current: Overrides, diag: Diagnosis, 
         return None
     for target in R.micro_batch_options(job, current, policy):
         mb = R.micro_batch(job, current, diag, policy, mem, **mb_kwargs, target=target)
-        if not isinstance(mb, R.Applied) or mb.frees is None:
+        if not isinstance(mb, R.Applied):
             continue
-        cap = R.memory_fraction(job, mb.overrides, diag, policy,
-                                dataclasses.replace(mem, pytorch_held=mem.pytorch_held - mb.frees))
+        predicted = S.predicted_need(job, mb.overrides, diag, mem, history)
+        held = predicted if predicted is not None else (
+            mem.pytorch_held - mb.frees if mb.frees is not None else None)
+        if held is None:
+            continue
+        cap = R.memory_fraction(job, mb.overrides, diag, policy, dataclasses.replace(mem, pytorch_held=held))
         if not isinstance(cap, R.Applied) or cap.overrides.fingerprint() in failed:
             continue
         what = f"micro_batch: {mb.what}; memory_fraction: {cap.what}"

@@ -330,3 +330,19 @@ def test_transformers_accepts_the_rewritten_pair_and_refuses_the_unrewritten_one
     eff = yaml.safe_load(r.files["effective.yaml"])
     assert check_launch_pair(eff, json.loads(r.files["ds_config.json"]), world_size=1) == []
     assert len(check_launch_pair(eff, ds1, world_size=1)) == unrewritten_n
+
+
+SHAPE_8B = {"hidden_size": 4096, "num_layers": 32, "vocab_size": 128256}
+
+
+@pytest.mark.parametrize("cutoff,rung", [(4096, "micro_batch+memory_fraction"), (2048, "memory_fraction")])
+def test_library_oom_without_numbers_checks_the_cap_against_the_prediction(default_policy, cutoff, rung):
+    # CUBLAS_STATUS_ALLOC_FAILED prints no PyTorch numbers: the fit check uses the estimate
+    # (8B LoRA, micro 8: ~60 GiB at 4096 tokens, ~39 GiB at 2048; the cap leaves 0.88 x 64 = 56 GiB).
+    j = job({"finetuning_type": "lora", "cutoff_len": cutoff, "per_device_train_batch_size": 8},
+            param_count=8_000_000_000, model_shape=SHAPE_8B, gpu_capacity_bytes=64 * GiB)
+    d0 = Diagnosis(Category.GPU_OOM, "CUBLAS_STATUS_ALLOC_FAILED", subkind="cublas", phase=Phase.TRAIN_STEP)
+    d = first(j, d0, default_policy)
+    assert d.kind == DecisionKind.ESCALATE and d.rung == rung, d.reason
+    if rung != "memory_fraction":
+        assert d.overrides.yaml["per_device_train_batch_size"] * d.overrides.yaml["gradient_accumulation_steps"] == 8
