@@ -426,6 +426,9 @@ def write_report(night: Night, out_dir: Path) -> tuple[Path, Path]:
             name = f"job-{j.id}.png"
             (out_dir / name).write_bytes(png)
             images[j.id] = name
+    if night.jobs and not pngs:
+        for j in night.jobs:  # say why there is no picture rather than leaving a hole
+            j.log_note = j.log_note or "no plots: matplotlib is not installed (pip install 'oom-supervisor[report]')"
     html_path, md_path = out_dir / "report.html", out_dir / "report.md"
     html_path.write_text(render_html(night, pngs), encoding="utf-8")
     md_path.write_text(render_markdown(night, images), encoding="utf-8")
