@@ -22,6 +22,11 @@ API (what the attempt runner calls; every Slurm command runs with a timeout, non
   ``evidence`` (the log lines it rests on); ``records(v)`` -> (ExitRecord, HostEvidence).
 - ``observed(submission, state) -> dict``: what to record once the job is seen started.
 
+Wiring advice, tested in tests/slurm/test_slurm_shim.py: run the launch shim inside the job
+(``launcher_prefix=[python, "-m", "supervisor.shim"]``, argv ``[launch.json]``). Slurm's SIGTERM
+reaches only the batch process; torchrun-like workers in their own sessions would be SIGKILLed
+unwarned, while the shim forwards SIGTERM to every descendant and writes exit.json in the job.
+
 Multi-node (nodes > 1) is only reasoned, never run here (one node): the batch script ``exec``s
 ``srun --ntasks-per-node=1`` so each node runs one launcher with LLaMA-Factory's own variables
 (``NNODES``, ``NODE_RANK`` = ``SLURM_NODEID``, ``MASTER_ADDR`` = first host of

@@ -1,0 +1,57 @@
+"""Why the integrator should put the launch shim between Slurm and a torchrun-like launcher.
+
+slurm.md: workers in their own sessions never get Slurm's SIGTERM (not even with --full); the
+batch step's end then SIGKILLs them, so they cannot save. The shim (exec'd by the batch script,
+launcher_prefix) forwards SIGTERM to every descendant and writes exit.json inside the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from supervisor import slurm as sl
+
+from .conftest import go, wait_file, wait_terminal
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT = """import subprocess, sys, time
+worker = '''import signal, sys, time, pathlib
+def on_term(n, f):
+    pathlib.Path(sys.argv[1]).write_text("worker got SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("worker ready", flush=True)
+while True:
+    time.sleep(0.1)
+'''
+p = subprocess.Popen([sys.executable, "-c", worker, sys.argv[1]], start_new_session=True)
+p.wait()
+"""
+
+
+def test_shim_forwards_sigterm_to_workers_in_their_own_session(slurm, tmp_path):
+    direct_marker, shim_marker = tmp_path / "direct.term", tmp_path / "shim.term"
+    direct, direct_log = go(tmp_path, [sys.executable, "-c", AGENT, str(direct_marker)], "direct")
+    att = tmp_path / "viashim"
+    att.mkdir()
+    launch = att / "launch.json"
+    launch.write_text(json.dumps({
+        "argv": [sys.executable, "-c", AGENT, str(shim_marker)], "cwd": str(tmp_path),
+        "env": dict(os.environ), "log": str(att / "train.log"), "exit_record": str(att / "exit.json"),
+        "rlimits": {}, "cgroup_procs": None, "owner_procs": None, "max_log_bytes": None}))
+    via, via_log = go(tmp_path, [str(launch)], "viashim", env={"PYTHONPATH": str(REPO)},
+                      settings=sl.SlurmSettings(launcher_prefix=[sys.executable, "-m", "supervisor.shim"]))
+    wait_file(direct_log, lambda t: "worker ready" in t)
+    wait_file(via_log, lambda t: "worker ready" in t)
+    sl.cancel(direct.job_id, hard=False)
+    sl.cancel(via.job_id, hard=False)
+    wait_file(shim_marker, timeout=15)
+    st = wait_terminal(via.job_id, timeout=45)
+    assert shim_marker.read_text() == "worker got SIGTERM"
+    exit_rec = json.loads(wait_file(att / "exit.json", timeout=15))
+    assert exit_rec["returncode"] == -15 and exit_rec["signal"] == "SIGTERM"  # the agent's own end
+    assert st.state in ("CANCELLED", "FAILED", "COMPLETED")
+    wait_terminal(direct.job_id, timeout=45)
+    assert not direct_marker.exists()  # without the shim the worker never heard of it
