@@ -55,7 +55,9 @@ SHAPES = 4096  # remembered shapes of lines that can no longer change the verdic
 SHAPE_LINE = 1024  # longer candidate lines are always read
 _DIGITS = b"0123456789"
 _LOGGED = b"{'loss': "
-NUMERIC_RUN = 3  # consecutive logged steps with a non-finite or exactly-zero loss that stop the attempt
+NUMERIC_RUN = 3
+CALIBRATION_STEPS = 20  # fp16 loss-scale calibration overflows at the start of a run are normal
+OVERFLOW_STORM = (10, 12)  # 10 overflows within 12 steps after calibration: nearly every step skipped  # consecutive logged steps with a non-finite or exactly-zero loss that stop the attempt
 # The trainer's logged dicts: {'loss': nan, 'grad_norm': inf, 'learning_rate': 1e-05, 'epoch': 0.1}
 _LOGGED_LOSS_RE = re.compile(r"""^\{['"]loss['"]:\s*(?:np\.float\d+\()?([-+\w.]+)""")
 _LOGGED_GRAD_RE = re.compile(r"""['"]grad_norm['"]:\s*(?:np\.float\d+\()?(?:tensor\()?([-+\w.]+)""")
@@ -211,6 +213,8 @@ class LogScanner:
         self.internal_errors = 0  # lines the scanner failed on (skipped; never raised to the caller)
         self._numeric_run: list[tuple[int, str, str]] = []  # (line, text, what) of consecutive bad logged steps
         self._numeric_fired = False
+        self._overflow_steps: deque[int] = deque(maxlen=OVERFLOW_STORM[0])  # steps of recent late overflows
+        self._overflow_storm = False
         self._region = 0  # count of regions read, to place the last bad logged step
         self._last_bad: tuple[int, int] | None = None  # (region, offset) of the last bad logged step
         # Shapes (digits removed) of candidate lines that matched only rules whose evidence is
@@ -529,6 +533,14 @@ class LogScanner:
         self._track_markers(t, line_no, buf, ls)
         if t.startswith("{") and "loss" in t:
             self._track_logged_step(t, seg, line_no, buf, ls, fatal)
+        if self._overflow_storm and not self._numeric_fired:
+            self._numeric_fired = True
+            self._record(Hit("numeric_run", Category.NUMERIC, rules.ROOT, "repeated_overflow", fatal=True),
+                         seg, line_no, buf, ls, fatal, structural=True)
+            first, last = self._overflow_steps[0], self._overflow_steps[-1]
+            self._latest["numeric_run"].notes.append(
+                f"{len(self._overflow_steps)} gradient overflows (skipped steps) between steps {first} and {last},"
+                f" after the first {CALIBRATION_STEPS} steps of loss-scale calibration")
         if self._min_scale_overflows == NUMERIC_RUN and not self._numeric_fired:
             # fp16 loss scale at its minimum and still overflowing: every step is skipped from now on.
             # (Early calibration halves it from 65536 by a few steps; it does not reach 1.)
@@ -634,6 +646,12 @@ class LogScanner:
             m = rules.LOSS_SCALE_RE.search(t) or rules.GRAD_OVERFLOW_RE.search(t)
             if m and float(m.group(1)) <= 1:
                 self._min_scale_overflows += 1
+            step = self._step_before(buf, ls)
+            if m and step is not None and step > CALIBRATION_STEPS:
+                self._overflow_steps.append(step)
+                n, within = OVERFLOW_STORM
+                if len(self._overflow_steps) == n and self._overflow_steps[-1] - self._overflow_steps[0] <= within:
+                    self._overflow_storm = True
         if "local_rank" in t:
             m = rules.TORCHRUN_RANK_RE.search(t)
             if m:

@@ -332,3 +332,24 @@ def test_a_real_traceback_after_a_keyword_flood_in_one_buffer_is_the_verdict():
                      for i in range(200))
     d = diagnose_bytes(flood + tb(b"[rank3]: " + OOM, 3), ExitRecord(1))
     assert (d.category, d.strength, d.rank) == (Category.GPU_OOM, "structural", 3), d.summary
+
+
+def _bar1000(step):
+    return b"\r  %d%%|#   | %d/1000 [01:00<09:00,  1.66it/s]" % (step // 10, step)
+
+
+def _overflow(scale):
+    return b"\n[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: %d, reducing to %d\n" % (scale, scale // 2)
+
+
+def test_repeated_overflows_after_calibration_stop_the_attempt_live():
+    head = b"  Total optimization steps = 1000\n"
+    calib = b"".join(_bar1000(s) + _overflow(2 ** (17 - s)) for s in range(1, 15))  # steps 1-14: normal
+    healthy = b"".join(_bar1000(s) + b"\n" for s in range(15, 200)) + _bar1000(200) + _overflow(2048)  # one late overflow
+    s = LogScanner()
+    assert s.feed(head + calib + healthy) == []
+    storm = b"".join(_bar1000(st) + _overflow(1024) for st in range(201, 212))
+    fatal = s.feed(storm)
+    assert [e.rule for e in fatal] == ["numeric_run"]
+    d = s.finish(ExitRecord(returncode=-15, stopped_by="fatal_signal"))
+    assert (d.category, d.subkind) == (Category.NUMERIC, "repeated_overflow"), d.summary
