@@ -23,6 +23,10 @@ from .allocator import ALLOC_VARS, merged_alloc_env
 from .rungs import MEMORY_FRACTION_ENV
 
 HOOK_DIR = Path(__file__).resolve().parent.parent / "hooks" / "startup"
+# Read by the start-up hook (hooks/startup, emergency.py): "1" on (the default), "0" off. A job
+# turns it off with `supervisor.env: {OOM_SUPERVISOR_EMERGENCY_CKPT: "0"}`, a policy through
+# Overrides.env with the same value.
+EMERGENCY_CKPT_ENV = "OOM_SUPERVISOR_EMERGENCY_CKPT"
 EFFECTIVE_YAML = "effective.yaml"
 DS_CONFIG = "ds_config.json"
 
@@ -31,6 +35,9 @@ _WHY = {
                             "(true disables resume and deletes trainer_log.jsonl)",
     "deepspeed": "points at the generated DeepSpeed config in the attempt folder",
     "resume_from_checkpoint": "resume from the last complete checkpoint",
+    EMERGENCY_CKPT_ENV: "start-up hook: a catchable OOM in a one-process Trainer run saves a checkpoint of "
+                        "the last finished step before the process exits (training itself unchanged)",
+    "PYTHONPATH": "puts the supervisor's start-up hook (a sitecustomize) first",
 }
 
 
@@ -76,7 +83,10 @@ def render_env(spec: JobSpec, overrides: Overrides) -> dict[str, str]:
         from .allocator import parse_alloc_conf
 
         env.update(merged_alloc_env(spec.sup.env, parse_alloc_conf(ours)))
-    if MEMORY_FRACTION_ENV in overrides.env:
+    emergency = "0" not in (spec.sup.env.get(EMERGENCY_CKPT_ENV), overrides.env.get(EMERGENCY_CKPT_ENV))
+    if emergency:
+        env[EMERGENCY_CKPT_ENV] = "1"
+    if MEMORY_FRACTION_ENV in overrides.env or emergency:
         existing = spec.sup.env.get("PYTHONPATH")
         env["PYTHONPATH"] = str(HOOK_DIR) + (f":{existing}" if existing else "")
     return env
