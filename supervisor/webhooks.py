@@ -73,6 +73,12 @@ class Webhook:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=self.label, daemon=True)
         self._thread.start()
+        try:
+            if spec.url_file is not None and spec.url_file.stat().st_mode & 0o044:
+                log.warning("webhook_url_file_readable_by_others", hook=self.label,
+                            hint=f"the URL is a secret: chmod 600 {spec.url_file}")
+        except OSError:
+            pass  # missing: said when sending
 
     def wants(self, kind: str | None) -> bool:
         return "*" in self.spec.on or kind in self.spec.on

@@ -123,3 +123,14 @@ def test_notifier_forwards_events_to_webhooks(http_server, rlog, monkeypatch):
 
 def test_event_text_without_a_name():
     assert event_text({"event": "succeeded", "job": 1}) == "oom-supervisor: job 1 succeeded"
+
+
+def test_a_url_file_others_can_read_is_warned_about(tmp_path, rlog):
+    f = tmp_path / "hook.url"
+    f.write_text("http://127.0.0.1:9/" + SECRET_PATH)
+    f.chmod(0o644)
+    Webhooks([WebhookSpec(url_file=f, on=["failed"])], log=rlog.log)
+    f.chmod(0o600)
+    Webhooks([WebhookSpec(url_file=f, on=["failed"])], log=rlog.log)
+    assert rlog.events("warning") == ["webhook_url_file_readable_by_others"]
+    assert "chmod 600" in rlog.text() and "secrettoken" not in rlog.text()
