@@ -27,6 +27,7 @@ def test_posts_the_event_json_with_a_text_field(http_server, rlog, tmp_path):
     srv = http_server()
     url_file = tmp_path / "hook.url"
     url_file.write_text(srv.url + SECRET_PATH + "\n")
+    url_file.chmod(0o600)
     hooks = Webhooks([WebhookSpec(url_file=url_file, on=["failed"])], log=rlog.log)
     hooks.send(EVENT)
     hooks.send({**EVENT, "event": "succeeded"})  # not subscribed
