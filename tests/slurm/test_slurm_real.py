@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from supervisor import slurm as sl
@@ -31,6 +32,19 @@ def timeout_job(slurm, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("timeout")
     return go(tmp, py("import time\nprint('sleeping', flush=True)\ntime.sleep(600)"), "timeout",
               request=sl.SlurmJobRequest(mem="100M", time="0:15"))
+
+
+IGNORE_TERM = ("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+               "print('ignoring pid', os.getpid(), flush=True)\nwhile True:\n    time.sleep(0.1)\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hard_cancelled_job(slurm, tmp_path_factory):
+    """A process that ignores SIGTERM, hard-cancelled now; judged at the end (KillWait is 30 s)."""
+    sub, log = go(tmp_path_factory.mktemp("hard"), py(IGNORE_TERM), "hard", request=sl.SlurmJobRequest(mem="100M"))
+    text = wait_file(log, lambda t: "ignoring pid" in t)
+    sl.cancel(sub.job_id, hard=True)
+    return sub, log, time.monotonic(), int(text.split("ignoring pid")[1].split()[0])
 
 
 def _diagnose(state, log: Path):
@@ -187,3 +201,24 @@ def test_time_limit_is_timeout(slurm, timeout_job):
     v = sl.verdict(st, log.read_text(errors="replace"))
     assert v["timeout"] and not v["interrupted"] and v["host"]["cgroup_oom_kills"] == 0
     assert "DUE TO TIME LIMIT" in log.read_text()
+
+
+def test_hard_cancel_kills_a_term_ignoring_process_after_killwait(slurm, hard_cancelled_job):
+    sub, log, t0, pid = hard_cancelled_job
+    st = wait_terminal(sub.job_id, timeout=90)
+    elapsed = time.monotonic() - t0
+    assert st.state == "CANCELLED" and sl.verdict(st, log.read_text())["cancelled"]
+    assert f"JOB {sub.job_id} ON" in log.read_text() and "CANCELLED AT" in log.read_text()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert elapsed > 20  # it ignored SIGTERM: only KillWait's SIGKILL ended it
+
+
+def test_query_many_is_cached_for_its_max_age(slurm, tmp_path):
+    sub, _ = go(tmp_path, ["true"], "cache", request=sl.SlurmJobRequest(mem="100M"),
+                settings=sl.SlurmSettings(extra_args=["--hold"]))
+    held = sl.query_many([sub.job_id], max_age_s=0)[sub.job_id]
+    assert held.state == "PENDING" and held.start_time is None
+    subprocess.run(["scontrol", "release", sub.job_id], check=True, timeout=30)
+    wait_terminal(sub.job_id)
+    assert sl.query_many([sub.job_id], max_age_s=60)[sub.job_id].state == "PENDING"  # the cached answer
+    assert sl.query_many([sub.job_id], max_age_s=0)[sub.job_id].state == "COMPLETED"
