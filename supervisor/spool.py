@@ -5,7 +5,8 @@ it is hostile until proven otherwise: any name (non-UTF-8, 255 bytes), any type
 (symlink, FIFO, folder), any content (alias bombs, 3000-deep nesting, huge numbers).
 
 A daemon first claims a settled file by renaming it into `claimed/<state tag>/`:
-only one rename wins, so two daemons sharing a spool never both take a file. It
+only one rename wins, so two daemons sharing a spool never both take a file (so
+`incoming/` must not be a mount point of its own: a rename cannot cross file systems). It
 then accepts it by recording the job and copying it to `jobs/<id>/job.yaml` in one
 SQLite transaction, and removes it. Each file carries a key (claimed name, inode,
 mtime, size, content hash): if the daemon dies after the commit but before the
