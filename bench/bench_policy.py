@@ -32,7 +32,10 @@ Scenarios (each prints the same figures):
   transformers at start-up (config_error), as `fill_match` does;
 * `host128`: 128 GiB host RAM: offload that does not fit the host dies in a train step;
 * `foreign`: jobs whose own config FITS, on a GPU where another process holds 60% for the first
-  two attempts; the best outcome is the user's config, unchanged, after waiting.
+  two attempts; the best outcome is the user's config, unchanged, after waiting;
+* `library`: a 3 GiB library workspace (cuBLAS/MIOpen) outside PyTorch's cache: without a cap
+  the library's own allocation fails (CUBLAS_STATUS_ALLOC_FAILED, no PyTorch numbers); with
+  memory_fraction PyTorch gets 0.88 of the GPU and fails itself when its peak is larger.
 
 Host memory of offload is DeepSpeed's accounting (fp32 master weights, gradients and Adam state,
 16 B per trainable parameter, + 2 B per offloaded 16-bit weight) x 1.35 for pinned buffers: ~0.9
@@ -110,6 +113,7 @@ class Case:
     host_gib: int = 512
     ds_explicit: bool = False  # a DeepSpeed JSON with explicit batch fields
     foreign_attempts: int = 0  # attempts during which another process holds 60% of the GPU
+    library_gib: float = 0  # a library workspace (cuBLAS/MIOpen) allocated outside PyTorch's cache
 
     @property
     def host_ram(self) -> int:
@@ -124,14 +128,17 @@ class Config:
     zero: int  # 0 none, 1 ZeRO-3 + optimizer offload, 2 + parameter offload
     allocator: bool
     seq: int | None = None  # cutoff_len when a data-changing policy shortened it
+    cap: bool = False  # PyTorch capped at CAP_FRACTION of the GPU (memory_fraction)
 
 
 def config_of(case: Case, ov: Overrides, ctx: JobContext) -> Config:
     v = view_of(ctx, ov)
     gc = 0 if not v.gc_on else (2 if v.unsloth_gc else 1)
     zero = 0 if v.setup.zero_stage != 3 else (2 if v.setup.offload_param else 1)
+    capped = ("per_process_memory_fraction" in ov.env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+              or "OOM_SUPERVISOR_MEMORY_FRACTION" in ov.env)
     return Config(v.micro, v.accum, gc, zero, "PYTORCH_CUDA_ALLOC_CONF" in ov.env,
-                  v.cutoff if v.cutoff != case.seq else None)
+                  v.cutoff if v.cutoff != case.seq else None, capped)
 
 
 def true_memory(case: Case, cfg: Config) -> tuple[int, int, int, int]:
@@ -185,6 +192,9 @@ def fits(case: Case, cfg: Config, held_by_others: int = 0) -> tuple[bool, Diagno
     if host > case.host_ram:
         return False, Diagnosis(Category.HOST_OOM, "DefaultCPUAllocator: can't allocate memory", vendor="cpu",
                                 phase=Phase.TRAIN_STEP if cfg.zero == 1 else Phase.MODEL_LOAD)
+    lib = _library_verdict(case, cfg, peak, largest, cap)
+    if lib is not None:
+        return lib
     if peak <= cap:
         return True, None
     if held_by_others:
@@ -205,6 +215,36 @@ def fits(case: Case, cfg: Config, held_by_others: int = 0) -> tuple[bool, Diagno
                             numbers=numbers, fragmentation=frag)
 
 
+CAP_FRACTION = 0.88  # the shipped policies' memory_fraction
+CACHE_SLACK = 1.10  # freed blocks PyTorch's cache keeps reserved over the live peak
+
+
+def _library_verdict(case: Case, cfg: Config, peak: int, largest: int, cap: int) -> tuple[bool, Diagnosis | None] | None:
+    """With a library workspace outside PyTorch's cache. The cache keeps freed blocks reserved
+    (CACHE_SLACK over the live peak; allocator tuning returns most of it) and a library's own
+    cudaMalloc does not make PyTorch release them, so the library fails (its own text, no
+    PyTorch numbers) when reserved + workspace exceed the GPU. A cap bounds what PyTorch
+    reserves at CAP_FRACTION of the GPU; its live peak must fit under the cap."""
+    if not case.library_gib:
+        return None
+    w = int(case.library_gib * GiB)
+    reserved = int(peak * (1.03 if cfg.allocator else CACHE_SLACK))
+    library_oom = Diagnosis(Category.GPU_OOM, "CUBLAS_STATUS_ALLOC_FAILED", vendor="cuda", subkind="cublas",
+                            phase=Phase.TRAIN_STEP)
+    if cfg.cap:
+        allowed = int(CAP_FRACTION * cap)
+        if peak > allowed:
+            return False, Diagnosis(Category.GPU_OOM, "CUDA out of memory", vendor="cuda", phase=Phase.TRAIN_STEP,
+                                    numbers={"total_capacity": cap, "free": cap - allowed, "allowed": allowed,
+                                             "tried_to_allocate": min(largest, peak - allowed + int(0.3 * GiB))})
+        reserved = min(reserved, allowed)
+    elif peak > cap:
+        return None  # PyTorch itself runs out first: the ordinary OOM
+    if reserved + w > cap:
+        return False, library_oom
+    return True, None
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -212,10 +252,12 @@ def _divisors(n: int) -> list[int]:
 def best_feasible(case: Case) -> tuple[Config, float] | None:
     per_device = case.micro * case.accum
     best = None
-    for micro, gc, zero, alloc in itertools.product(_divisors(per_device), (0, 1, 2), (0, 1, 2), (False, True)):
+    caps = (False, True) if case.library_gib else (False,)
+    for micro, gc, zero, alloc, capped in itertools.product(_divisors(per_device), (0, 1, 2), (0, 1, 2),
+                                                            (False, True), caps):
         if gc < (1 if case.gc_on else 0):
             continue  # the policy never turns checkpointing off
-        cfg = Config(micro, per_device // micro, gc, zero, alloc)
+        cfg = Config(micro, per_device // micro, gc, zero, alloc, None, capped)
         if fits(case, cfg)[0]:
             thr = throughput(case, cfg)
             if best is None or thr > best[1]:
@@ -303,6 +345,7 @@ SCENARIOS = {
     "ds_explicit": {"ds_explicit": True},
     "host128": {"host_gib": 128},
     "foreign": {"foreign_attempts": 2},
+    "library": {"library_gib": 3},
 }
 
 

@@ -66,7 +66,11 @@ def memory_picture(job: JobContext, ov: Overrides, diag: Diagnosis) -> R.Memory:
     tried, free = n.get("tried_to_allocate"), n.get("free")
     shortfall = n.get("shortfall")
     if shortfall is None and tried is not None and free is not None:
-        shortfall = max(0, tried - free)
+        room = free
+        if n.get("allowed") is not None and capacity is not None:
+            # Under a memory cap the GPU's free memory is not PyTorch's: only allowed - in use is.
+            room = min(free, max(0, n["allowed"] - (capacity - free - (n.get("held_by_others") or 0))))
+        shortfall = max(0, tried - room)
     in_use = None
     if capacity is not None and free is not None:
         in_use = capacity - free - (n.get("held_by_others") or 0)  # this job's share only

@@ -95,6 +95,16 @@ def setup_of(job: JobContext, cfg: Mapping[str, Any], ds: Mapping[str, Any] | No
                  trainable_fraction=share)
 
 
+def cap_fraction(ov: Overrides) -> float | None:
+    """The memory cap a configuration runs under (either mechanism), or None."""
+    raw = parse_alloc_conf(ov.env.get(ALLOC_VARS[0])).get("per_process_memory_fraction") \
+        or ov.env.get(MEMORY_FRACTION_ENV)
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+
 def host_budget(job: JobContext, policy: Policy) -> int | None:
     """The one host-RAM budget every remedy is judged against (bytes; None = unknown)."""
     return job.host_budget_bytes(policy.host_ram_reserve)
@@ -189,6 +199,11 @@ def allocator(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, m
         done = 0
     if done >= len(steps):
         return Skipped("allocator settings already at their last step")
+    if diag.subkind in NON_CACHING_SUBKINDS and "garbage_collection_threshold" in ours:
+        # The early reclaim is what hands cached blocks back for a library's own allocation;
+        # a smaller split size frees nothing outside PyTorch's cache.
+        return Skipped("allocator already tuned (cached blocks reclaimed early); another split size "
+                       "gives a library outside PyTorch's cache nothing")
     step = steps[done]
     for key in ("max_split_size_mb", "expandable_segments"):
         ours.pop(key, None)

@@ -133,6 +133,11 @@ def choose(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy,
     limit = capacity * (1 - policy.fit_headroom)
     k = calibration(job, history)
 
+    def limit_of(ov: Overrides) -> float:
+        """A memory cap (memory_fraction) is PyTorch's limit, not the GPU."""
+        f = R.cap_fraction(ov)
+        return limit if f is None else min(limit, f * capacity)
+
     def need(ov: Overrides) -> int:
         return predicted_need(job, ov, diag, mem, history, k)  # type: ignore[return-value]
 
@@ -152,7 +157,7 @@ def choose(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy,
                         continue
                     seen.add(fp)
                     cand = Step((*step.names, name), (*step.applied, applied), ov, need(ov), speed(job, ov))
-                    if cand.need <= limit:
+                    if cand.need <= limit_of(ov):
                         if best is None or (cand.speed, -len(cand.names)) > (best.speed, -len(best.names)):
                             best = cand
                     else:

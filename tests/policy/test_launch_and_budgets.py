@@ -346,3 +346,47 @@ def test_library_oom_without_numbers_checks_the_cap_against_the_prediction(defau
     assert d.kind == DecisionKind.ESCALATE and d.rung == rung, d.reason
     if rung != "memory_fraction":
         assert d.overrides.yaml["per_device_train_batch_size"] * d.overrides.yaml["gradient_accumulation_steps"] == 8
+
+
+def test_a_library_oom_takes_one_allocator_step_not_four(default_policy):
+    lib = Diagnosis(Category.GPU_OOM, "CUBLAS_STATUS_ALLOC_FAILED", subkind="cublas", phase=Phase.TRAIN_STEP)
+    j = job({"per_device_train_batch_size": 8})
+    hist, ov, rungs = [], Overrides(), []
+    for n in range(1, 5):
+        hist.append(attempt(n, ov, lib))
+        d = decide(j, hist, lib, default_policy)
+        assert d.kind == DecisionKind.ESCALATE
+        rungs.append(d.rung)
+        ov = d.overrides
+    assert rungs.count("allocator") == 1, rungs
+    assert rungs[0] == "memory_fraction" and "micro_batch" in rungs
+
+
+def test_an_oom_under_the_cap_counts_the_cap_not_the_free_gpu(default_policy):
+    # capped at 0.88 of 48 GiB = 42.2 GiB; PyTorch holds 42 GiB and wants 2 more: the 5.8 GiB the
+    # GPU still has free are outside the cap, so it is 1.8 GiB short, not 0.
+    from supervisor.policy.decide import memory_picture
+
+    numbers = {"total_capacity": 48 * GiB, "free": int(5.8 * GiB), "allowed": int(0.88 * 48 * GiB),
+               "tried_to_allocate": 2 * GiB}
+    d0 = Diagnosis(Category.GPU_OOM, "CUDA out of memory", phase=Phase.TRAIN_STEP, numbers=numbers)
+    mem = memory_picture(job(), Overrides(), d0)
+    assert 1.5 * GiB < mem.shortfall < 2 * GiB
+
+
+def test_the_search_judges_a_capped_configuration_against_the_cap(default_policy):
+    from supervisor.policy import search as S
+    from supervisor.policy.decide import memory_picture
+
+    cap = 44 * GiB
+    j = job({"finetuning_type": "lora", "cutoff_len": 2048, "per_device_train_batch_size": 8},
+            param_count=8_000_000_000, model_shape=SHAPE_8B, gpu_capacity_bytes=cap)
+    capped = Overrides(env={"OOM_SUPERVISOR_MEMORY_FRACTION": "0.88"}, rungs=("memory_fraction",))
+    assert 0.88 * cap * 0.95 < S.base_need(j, capped) < cap * 0.95  # fits the GPU, not the cap
+    numbers = {"total_capacity": cap, "free": int(5.5 * GiB), "allowed": int(0.88 * cap),
+               "tried_to_allocate": 2 * GiB}
+    d0 = Diagnosis(Category.GPU_OOM, "CUDA out of memory", phase=Phase.TRAIN_STEP, numbers=numbers)
+    d = decide(j, [attempt(1, Overrides(), oom()), attempt(2, capped, d0)], d0, default_policy)
+    assert d.kind == DecisionKind.ESCALATE and d.rung != "allocator", d.reason
+    need = S.predicted_need(j, d.overrides, d0, memory_picture(j, capped, d0), [])
+    assert need <= 0.88 * cap * 0.95, d.reason
