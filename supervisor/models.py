@@ -298,6 +298,9 @@ class JobContext:
     # RAM minus what other processes hold now (bytes) and the policy's reserve.
     host_memory_limit_bytes: int | None = None
     host_used_by_others_bytes: int | None = None
+    # Who else holds memory on the job's GPUs, when a probe can tell ("pid 4242 (python3): 70.0 GiB"),
+    # so a wait-and-retry can name them.
+    gpu_memory_holders: tuple[str, ...] = ()
 
     def launched_world_size(self) -> int:
         """Ranks per node the launch really runs: a remedy must never change it."""

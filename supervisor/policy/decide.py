@@ -242,6 +242,8 @@ def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnos
         held = diagnosis.numbers["held_by_others"]
         n = sum(1 for a in history if a.diagnosis is not None and foreign_oom(a.diagnosis, policy))
         who = f"other processes hold {_gib(held)} of the GPU"
+        if job.gpu_memory_holders:
+            who += " (" + ", ".join(job.gpu_memory_holders[:5]) + ")"
         if n <= policy.budgets.foreign_memory_retries:
             return _retry(job, current, policy, n, f"{cat}: {who} (the job was short by only "
                                                    f"{_gib(_shortfall(diagnosis))}); waiting for it to be freed, "

@@ -171,6 +171,8 @@ def test_gpu_held_by_others_waits_and_retries(default_policy):
     assert d.kind == DecisionKind.RETRY and d.delay_s > 0
     assert "70.00 GiB" in d.reason and "other process" in d.reason
     assert d.overrides == Overrides()
+    d = first(job(gpu_memory_holders=("pid 4242 (python3): 70.0 GiB",)), d0, default_policy)
+    assert "pid 4242 (python3): 70.0 GiB" in d.reason
 
 
 def test_the_users_config_stays_eligible_after_a_foreign_oom(default_policy):
