@@ -26,6 +26,7 @@ from . import proctree
 from .config import DaemonConfig
 from .diagnosis import LogScanner
 from .fsutil import atomic_write_json, atomic_write_text, read_json
+from .gpus import VramSampler
 from .diskfull import is_disk_full
 from .limits import CgroupSupport, JobCgroup, detect_cgroup, kernel_oom_lines, rlimits_for
 from .logfollow import LogFollower
@@ -92,6 +93,7 @@ class Active:
     kill_sent: bool = False
     interrupt_cause: str = "shutdown"
     launch_failure: str | None = None
+    vram: VramSampler | None = None
     stuck_reported: bool = False
     broken: str | None = None  # our own error while following it: stop it, then record
     limit_killed: bool = False  # stopped for going over host_memory_limit (sampled, no cgroup)
@@ -276,7 +278,9 @@ class Runner:
         self._event(job.id, "attempt_started", f"attempt {number}: {' '.join(rendered.argv)}", attempt=number,
                     pid=handle.pid, changes=changes, memory_limit=spec.sup.host_memory_limit,
                     limit_mechanism=mechanism, ownership=owner.mechanism)
-        return Active(handle=handle, **act_args)
+        act = Active(handle=handle, **act_args)
+        act.vram = VramSampler(spec.sup.gpus, pids=lambda: [p.pid for p in handle.processes()]).start()
+        return act
 
     def _abandon_before_prepare(self, job: JobRow) -> None:
         """A cancel recorded before we began (durable intent): settle it, run nothing, fix nothing up."""
@@ -611,9 +615,14 @@ class Runner:
             ended_at=raw.get("ended_at") or self.clock(), exit=json.dumps(exit_rec.to_dict()),
             diagnosis=json.dumps(diagnosis.to_dict()), detected_at=act.detected_at,
             peak_rss_bytes=host.peak_rss_bytes, **progress)
+        vram = act.vram.stop() if act.vram is not None else None
         with self.store.tx():
             job = self.store.job(act.job_id)
             self.store.update_attempt(act.job_id, act.number, **fields)
+            if vram and vram.get("samples"):
+                peaks = ", ".join(f"GPU {d}: {b / (1 << 30):.2f} GiB" for d, b in vram["peak_bytes"].items())
+                self._event(act.job_id, "gpu_telemetry", f"peak VRAM {peaks or 'none seen'} ({vram['source']})",
+                            attempt=act.number, **vram)
             self._event(act.job_id, "attempt_ended",
                         f"attempt {act.number} ended: {_exit_words(exit_rec)}; diagnosis {diagnosis.category}"
                         + (f"/{diagnosis.subkind}" if diagnosis.subkind else "") + f": {diagnosis.summary}",

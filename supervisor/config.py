@@ -140,13 +140,16 @@ class DaemonConfig(BaseModel):
     # Attempts in a row cut short by a supervisor crash before the job is failed (a job that
     # crashes the supervisor or the box would otherwise loop forever: interruptions cost no budget).
     max_interruptions: int = Field(default=5, ge=1)
+    # How long the next attempt on the same GPUs waits for the previous one's VRAM to be given back
+    # (drivers free a dead process's memory late); 0 turns the wait off.
+    vram_release_timeout: float = Field(default=60.0, ge=0)
 
     @field_validator("max_log_bytes", mode="before")
     @classmethod
     def _logsize(cls, v: Any) -> Any:
         return parse_size(v)
 
-    @field_validator("poll_interval", "settle_time", "stop_grace", "fatal_grace", "hang_timeout",
+    @field_validator("poll_interval", "settle_time", "vram_release_timeout", "stop_grace", "fatal_grace", "hang_timeout",
                      mode="before")
     @classmethod
     def _dur(cls, v: Any) -> Any:

@@ -36,7 +36,9 @@ from . import attempts as attempt_mod
 from .config import DaemonConfig
 from .diskfull import describe_full, free_bytes, is_disk_full
 from .logsetup import log
+from .metrics import Metrics, RunningJob
 from .notify import Notifier
+from .sdnotify import ServiceNotifier, status_from_store
 from .paths import StatePaths
 from .spool import intake
 from .states import JobState
@@ -82,6 +84,7 @@ class Daemon:
     stopping: bool = False
     disk_full: str | None = None  # why the state folder cannot be written, while it cannot
     finish_failures: dict[int, int] = field(default_factory=dict)
+    vram_waits: dict[int, Any] = field(default_factory=dict)
     last_tick_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -90,7 +93,9 @@ class Daemon:
         self.cfg.spool.ensure()
         self.lock = StateLock(self.state.lock)
         self.store: Store | None = None
-        self.notifier = Notifier(self.cfg.notify, log=log)
+        self.notifier = Notifier(self.cfg.notify, log=log, webhooks=self.cfg.webhooks)
+        self.service = ServiceNotifier.from_env(log=log)
+        self.metrics = Metrics(self.cfg.metrics, log=log) if self.cfg.metrics is not None else None
         self.steps = [("intake", self.step_intake), ("control", self.step_control),
                       ("monitor", self.step_monitor), ("schedule", self.step_schedule)]
 
@@ -107,13 +112,19 @@ class Daemon:
                  spool_dir=str(self.cfg.spool.root), memory_cgroups=str(self.runner.cgroup_support),
                  ownership=ownership)
         self.store.event(None, "daemon", f"daemon started (pid {os.getpid()}); attempt ownership: {ownership}")
+        if self.metrics is not None:
+            self.metrics.start()
         try:
             self.recover()
+            self.service.ready(self._status_line())
             while not self.stopping:
                 self.tick()
                 self._sleep(self.cfg.poll_interval)
         finally:
+            self.service.stopping(f"stopping {len(self.active)} attempt(s)")
             self.shutdown()
+            if self.metrics is not None:
+                self.metrics.close()
             for s, h in old.items():
                 signal.signal(s, h)
             self.store.event(None, "daemon", "daemon stopped")
@@ -149,6 +160,35 @@ class Daemon:
         self.runner.flush_notifications()
         self.notifier.reap()
         self.last_tick_s = time.monotonic() - began
+        self._tell(self.last_tick_s)
+
+    def _status_line(self) -> str:
+        try:
+            line = status_from_store(self.store, running=len(self.active))
+        except Exception:
+            line = f"{len(self.active)} running"
+        return f"{line}; STATE DISK FULL" if self.disk_full else line
+
+    def _tell(self, tick_s: float) -> None:
+        """The loop itself proves it is alive (WATCHDOG=1), says how it stands, updates metrics."""
+        self.service.watchdog()
+        if self.metrics is not None:
+            self.metrics.observe_tick(tick_s)
+        now = time.monotonic()
+        if now < getattr(self, "_next_report", 0.0):
+            return
+        self._next_report = now + 2.0
+        self.service.status(self._status_line())
+        if self.metrics is not None:
+            try:
+                self.metrics.update(self.store, [self._running_info(a) for a in self.active.values()])
+            except Exception:
+                log.exception("metrics_update_failed")
+
+    def _running_info(self, act) -> RunningJob:
+        spec = act.spec
+        return RunningJob(job_id=act.job_id, name=spec.name, attempt=act.number, step=act.last_step,
+                          total_steps=act.scanner.total_steps, peak_host_bytes=act.peak_rss or None)
 
     def _run_step(self, name: str, step) -> None:
         try:
@@ -293,11 +333,46 @@ class Daemon:
         for job in runnable:
             if len(self.active) >= self.cfg.max_parallel:
                 break
-            if not self._gpus_free(job):
+            if not self._gpus_free(job) or not self._vram_released(job):
                 continue
             act = self._per_job(job.id, "start an attempt", self.runner.start, job)
             if act is not None:
                 self.active[job.id] = act
+
+    def _vram_released(self, job: JobRow) -> bool:
+        """A job's next attempt waits (bounded, in a worker thread: GPU tools can hang) until the
+        memory of its previous attempt is given back on its GPUs; then it starts, said either way."""
+        last = self.store.last_attempt(job.id)
+        if last is None or job.cancel_requested or self.cfg.vram_release_timeout <= 0:
+            return True
+        fut = self.vram_waits.get(job.id)
+        if fut is None:
+            from .gpus import wait_vram_released
+
+            gpus = self.runner.gpus_of(job.id)
+            self.vram_waits[job.id] = self._pool().submit(wait_vram_released, gpus, self.cfg.vram_release_timeout)
+            return False
+        if not fut.done():
+            return False
+        del self.vram_waits[job.id]
+        try:
+            res = fut.result()
+        except Exception:
+            log.exception("vram_wait_failed", job=job.id)
+            return True
+        if res.released is False:
+            self.store.event(job.id, "vram_not_released", res.message)
+            self.runner._notify(job.id, "vram_not_released", res.message)
+        elif res.released and res.waited_s >= 1.0:
+            self.store.event(job.id, "vram_released", res.message)
+        return True
+
+    def _pool(self):
+        if getattr(self, "_executor", None) is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vram-wait")
+        return self._executor
 
     def _gpus_free(self, job: JobRow) -> bool:
         """A job without `gpus:` may use every GPU: it runs alone, as does anything beside it."""

@@ -340,7 +340,7 @@ def test_crash_interruptions_are_budgeted(daemon_factory, tmp_path):
                                 decision=json.dumps({"kind": "interrupted", "cause": "crash"}))
         d.store.transition(job_id, JobState.RUNNING, "x")
         d.store.transition(job_id, JobState.INTERRUPTED, "x")
-    d.tick()
+    run_until(d, lambda: d.store.job(job_id).state.terminal, what="a verdict")
     job = d.store.job(job_id)
     assert job.state == JobState.FAILED and "restarted 3 times" in job.reason
     assert len(d.store.attempts(job_id)) == 3
