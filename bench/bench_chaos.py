@@ -5,7 +5,7 @@ live instance of a job through an flock), with 200 kills by default. Prints kill
 duplicated, run twice at once, DB integrity, leftover processes, wall time; exit 1 on any
 problem.
 
-    .venv/bin/python bench/bench_chaos.py [--kills 200] [--jobs 16] [--parallel 4] [--seed N]
+    .venv/bin/python bench/bench_chaos.py [--kills 200] [--jobs 24] [--parallel 4] [--seed N]
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from tests.chaos.harness import kill_storm  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=200)
-    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--jobs", type=int, default=24)
     ap.add_argument("--parallel", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=400, help="steps per job (0.1 s each)")
+    ap.add_argument("--steps", type=int, default=600,
+                    help="steps per job (0.1 s each): enough work that trainings live through the storm")
     ap.add_argument("--gap", type=float, nargs=2, default=(0.3, 2.0), metavar=("MIN", "MAX"),
                     help="seconds between two kills, drawn uniformly")
     ap.add_argument("--seed", type=int, default=None)

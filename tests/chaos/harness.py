@@ -272,6 +272,8 @@ def kill_storm(root: Path, *, kills: int = 60, jobs: int = 8, max_parallel: int 
                 d.kill9()
                 down_since = time.monotonic()
                 rep.kills["daemon"] += 1
+                if rep.total_kills % 10 == 0:
+                    log(f"  ... {rep.total_kills} kills, {time.monotonic() - t0:.0f}s")
                 continue
             victims = shims(state) if what == "shim" else [p for p in trainings(work)]
             if victims:
