@@ -9,10 +9,13 @@ API (what the attempt runner calls; every Slurm command runs with a timeout, non
   opened with ``--open-mode=append`` (a requeue must not truncate what the scanner already read).
 - ``query(job_id) -> SlurmJobState | None``: ``scontrol -d show job J --oneliner``, then
   ``sacct -c`` (the jobcomp file) once scontrol has forgotten the job (MinJobAge); None when
-  neither knows it. Raises SlurmError when the controller cannot be asked (keep waiting then).
+  neither knows it (lost). Raises SlurmUnavailable when the controller does not answer within
+  ``timeout_s`` (keep the attempt, ask again later), SlurmError for other failures.
 - ``query_many(job_ids) -> dict[str, SlurmJobState]``: one ``squeue`` call for every followed
   job (no exit codes: call ``query`` for the ones that turned terminal); cached for
   ``POLL_INTERVAL_S`` so a loop polling many attempts costs one RPC per interval.
+- ``find_by_name(job_name) -> dict[str, SlurmJobState]``: before resubmitting after a submit
+  that raised SlurmUnavailable (the job may exist although sbatch's answer was lost).
 - ``cancel(job_id, *, hard)``: soft sends SIGTERM to the batch process (the exec'd launcher,
   which forwards to its workers) and leaves the waiting to the caller; hard is ``scancel``
   (SIGTERM, KillWait, SIGKILL to the whole job cgroup) or, with ``kill_now=True``, SIGKILL at once.
@@ -79,7 +82,17 @@ _SLURM_TIME_RE = re.compile(r"^(?:\d+-\d{1,2}(?::\d{1,2}){0,2}|\d+(?::\d{1,2}){0
 
 
 class SlurmError(RuntimeError):
-    """A Slurm command failed or timed out; the message names the command and its stderr."""
+    """A Slurm command failed; the message names the command and its stderr."""
+
+
+class SlurmUnavailable(SlurmError):
+    """The controller did not answer (down, restarting, overloaded): ask again later; nothing
+    is known about the job from this. Measured: with slurmctld down, scontrol/squeue give up only
+    after ~18 s (MessageTimeout and retries), so callers pass a timeout_s their loop can afford."""
+
+
+_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Zero Bytes were transmitted",
+                "Connection refused", "Communication connection failure")
 
 
 def _slurm_time(v: Any) -> str | None:
@@ -223,7 +236,9 @@ def _run(argv: list[str], env: Mapping[str, str] | None = None, timeout: float =
     except FileNotFoundError as e:
         raise SlurmError(f"{argv[0]} not found: is the Slurm client installed and on PATH?") from e
     except subprocess.TimeoutExpired as e:
-        raise SlurmError(f"{shlex.join(argv)} did not answer within {timeout:.0f} s") from e
+        raise SlurmUnavailable(f"{shlex.join(argv)} did not answer within {timeout:g} s") from e
+    if any(w in res.stderr for w in _UNREACHABLE):
+        raise SlurmUnavailable(f"{shlex.join(argv)}: {res.stderr.strip()[:2000]}")
     if res.returncode not in ok_codes:
         raise SlurmError(f"{shlex.join(argv)} exited {res.returncode}: {res.stderr.strip()[:2000]}")
     return res
@@ -380,10 +395,10 @@ def state_from_scontrol(line: str) -> SlurmJobState:
 _SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "DerivedExitCode", "Start", "End", "NodeList")
 
 
-def query_jobcomp(job_id: str) -> SlurmJobState | None:
+def query_jobcomp(job_id: str, *, timeout_s: float = CMD_TIMEOUT_S) -> SlurmJobState | None:
     """`sacct -c` (reads the jobcomp file; works without slurmdbd): the last record of the job."""
     res = _run(["sacct", "-c", "-n", "-P", "-j", str(job_id), "-o", ",".join(_SACCT_FIELDS)],
-               ok_codes=(0, 1))
+               ok_codes=(0, 1), timeout=timeout_s)
     rows = [dict(zip(_SACCT_FIELDS, ln.split("|"))) for ln in res.stdout.splitlines() if ln.strip()]
     rows = [r for r in rows if r.get("JobID") == str(job_id)]
     if not rows:
@@ -399,14 +414,17 @@ def query_jobcomp(job_id: str) -> SlurmJobState | None:
                          job_name=_null(r.get("JobName")), source="sacct-jobcomp")
 
 
-def query(job_id: str) -> SlurmJobState | None:
-    """The job's state from scontrol; from the jobcomp file once scontrol forgot it; else None."""
-    res = _run(["scontrol", "-d", "show", "job", str(job_id), "--oneliner"], ok_codes=(0, 1))
+def query(job_id: str, *, timeout_s: float = CMD_TIMEOUT_S) -> SlurmJobState | None:
+    """The job's state from scontrol; from the jobcomp file once scontrol forgot it; else None
+    (a job the controller lost: submitted after its last state save and then killed -9).
+    SlurmUnavailable when the controller does not answer within timeout_s."""
+    res = _run(["scontrol", "-d", "show", "job", str(job_id), "--oneliner"], ok_codes=(0, 1),
+               timeout=timeout_s)
     if res.returncode == 0 and res.stdout.strip():
         return state_from_scontrol(res.stdout.strip().splitlines()[0])
     if "Invalid job id" not in res.stderr:
         raise SlurmError(f"scontrol show job {job_id}: {res.stderr.strip()[:2000]}")
-    return query_jobcomp(job_id)
+    return query_jobcomp(job_id, timeout_s=timeout_s)
 
 
 _SQUEUE_FIELDS = ("JobID", "State", "Reason", "RestartCnt", "SubmitTime", "StartTime", "EndTime",
@@ -414,18 +432,28 @@ _SQUEUE_FIELDS = ("JobID", "State", "Reason", "RestartCnt", "SubmitTime", "Start
 _cache: dict[str, Any] = {"at": -math.inf, "key": None, "value": {}}
 
 
-def query_many(job_ids: list[str], *, max_age_s: float = POLL_INTERVAL_S) -> dict[str, SlurmJobState]:
+def query_many(job_ids: list[str], *, max_age_s: float = POLL_INTERVAL_S,
+               timeout_s: float = CMD_TIMEOUT_S) -> dict[str, SlurmJobState]:
     """States of many jobs in one squeue call (jobs it no longer knows are absent: ask `query`).
 
     No exit codes here (squeue has none worth trusting); cached for max_age_s per id set."""
+    bad = [j for j in job_ids if not str(j).isdigit()]
+    if bad:
+        raise ValueError(f"not Slurm job ids: {bad[:5]!r}")
     ids = sorted({str(j) for j in job_ids}, key=int)
     if not ids:
         return {}
     now = time.monotonic()
     if _cache["key"] == ids and now - _cache["at"] < max_age_s:
         return dict(_cache["value"])
+    out = _squeue([f"--jobs={','.join(ids)}"], timeout_s)
+    _cache.update(at=now, key=ids, value=out)
+    return dict(out)
+
+
+def _squeue(select: list[str], timeout_s: float) -> dict[str, SlurmJobState]:
     fmt = ",".join(f"{f}:|" for f in _SQUEUE_FIELDS)
-    res = _run(["squeue", "-h", "-t", "all", f"--jobs={','.join(ids)}", "-O", fmt], ok_codes=(0, 1))
+    res = _run(["squeue", "-h", "-t", "all", *select, "-O", fmt], ok_codes=(0, 1), timeout=timeout_s)
     if res.returncode == 1 and "Invalid job id" not in res.stderr:
         raise SlurmError(f"squeue: {res.stderr.strip()[:2000]}")
     out: dict[str, SlurmJobState] = {}
@@ -443,13 +471,18 @@ def query_many(job_ids: list[str], *, max_age_s: float = POLL_INTERVAL_S) -> dic
             end_time=_epoch(r["EndTime"]) if state not in RUNNING_STATES else None,
             node_list=_null(r["NodeList"]), batch_host=_null(r["BatchHost"]),
             job_name=_null(r["Name"]), source="squeue")
-    _cache.update(at=now, key=ids, value=out)
-    return dict(out)
+    return out
+
+
+def find_by_name(job_name: str, *, timeout_s: float = CMD_TIMEOUT_S) -> dict[str, SlurmJobState]:
+    """Jobs the controller knows under this name: after a submit that raised SlurmUnavailable
+    (sbatch timed out or lost its answer, the job may exist), look here before submitting again."""
+    return _squeue([f"--name={job_name}"], timeout_s)
 
 
 # ---------------------------------------------------------------- cancel
 
-def cancel(job_id: str, *, hard: bool, kill_now: bool = False) -> None:
+def cancel(job_id: str, *, hard: bool, kill_now: bool = False, timeout_s: float = CMD_TIMEOUT_S) -> None:
     """Soft: SIGTERM to the batch process (our exec'd launcher; --full also reaches the batch
     step's other processes), the caller waits and escalates. Hard: scancel (SIGTERM, then SIGKILL
     of the job cgroup after KillWait); kill_now: SIGKILL everything at once."""
@@ -459,7 +492,7 @@ def cancel(job_id: str, *, hard: bool, kill_now: bool = False) -> None:
         argv = ["scancel", "--signal=KILL", "--full", str(job_id)]
     else:
         argv = ["scancel", str(job_id)]
-    res = _run(argv, ok_codes=(0, 1))
+    res = _run(argv, ok_codes=(0, 1), timeout=timeout_s)
     # An already finished job is not an error for a cancel: the job is gone either way.
     if res.returncode != 0 and "already completing or completed" not in res.stderr \
             and "Invalid job id" not in res.stderr:

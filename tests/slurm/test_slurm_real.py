@@ -178,6 +178,9 @@ def test_query_many_one_call_and_unknown_ids(slurm, tmp_path):
     got = sl.query_many([sub.job_id, "999999"], max_age_s=0)
     assert set(got) == {sub.job_id} and got[sub.job_id].running and got[sub.job_id].source == "squeue"
     assert sl.query_many(["999999"], max_age_s=0) == {}
+    assert set(sl.find_by_name("oomsup-test-many")) >= {sub.job_id}
+    with pytest.raises(ValueError, match="not Slurm job ids"):
+        sl.query_many(["12; rm -rf /"])
     assert sl.query("999999") is None
 
 

@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from supervisor import slurm as sl
 
 from .conftest import go, wait_file, wait_state, wait_terminal
@@ -27,7 +29,10 @@ def test_controller_killed_right_after_start(slurm, tmp_path):
     rec = sl.observed(sub, first)
     wait_file(log, lambda t: "run-token" in t)
     os.kill(int(Path(slurm).with_name("slurmctld.pid").read_text()), 9)
-    time.sleep(0.5)
+    t0 = time.monotonic()
+    with pytest.raises(sl.SlurmUnavailable):  # not "unknown job": ask again later
+        sl.query(sub.job_id, timeout_s=1.5)
+    assert time.monotonic() - t0 < 3
     up = subprocess.run(["bash", "scripts/slurm.sh", "up"], check=False, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert up.returncode == 0, up.stderr
     deadline = time.monotonic() + 15
