@@ -131,3 +131,54 @@ def test_submit_with_a_non_utf8_and_long_name(tmp_path):
     (dest,) = os.listdir(tmp_path / "spool" / "incoming")
     assert dest.isascii() and len(dest.encode()) < 120
     assert yaml.safe_load((tmp_path / "spool" / "incoming" / dest).read_text())["supervisor"]["command"] == ["echo"]
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 256 KiB tmpfs, filled up (needs root, as CI is)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        (mnt / "spool" / "incoming").mkdir(parents=True)
+        (mnt / "spool" / "rejected").mkdir()
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_submit_onto_a_full_spool_disk_says_so(tmp_path, full_disk):
+    job = tmp_path / "job.yaml"
+    job.write_text("supervisor: {command: [echo]}\n" + "# padding\n" * 2000)
+    conf = tmp_path / "config.yaml"
+    conf.write_text("poll_interval: 1\n")
+    res = subprocess.run([sys.executable, "-m", "supervisor.cli", "submit", "--state-dir", str(tmp_path / "state"),
+                          "--spool-dir", str(full_disk / "spool"), "--config", str(conf), str(job)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "the disk is full" in res.stderr and str(full_disk / "spool" / "incoming") in res.stderr
+    assert [p for p in os.listdir(full_disk / "spool" / "incoming")] == []  # no temp file left behind
+
+
+def test_intake_on_a_full_spool_disk_still_moves_bad_files_aside(tmp_path, full_disk):
+    from supervisor.paths import SpoolPaths, StatePaths
+    from supervisor.spool import intake
+
+    spool = SpoolPaths(full_disk / "spool")
+    os.rename(full_disk / "filler", full_disk / "spool" / "incoming" / "bad.yaml")  # garbage, fills the disk
+    state = StatePaths(tmp_path / "state")
+    store = Store(state.db)
+    res = intake(spool, state, store, settle_s=0.0, max_bytes=1 << 20)
+    store.close()
+    assert res.accepted == [] and os.listdir(spool.incoming) == []
+    assert (spool.rejected / "bad.yaml").exists()
