@@ -17,6 +17,9 @@ import pytest
 from supervisor import slurm as sl
 
 REPO = Path(__file__).resolve().parents[2]
+# A Python process that allocates 16 MiB at a time until something stops it.
+ALLOC = ("import time\nb=[]\nfor i in range(400):\n    b.append(bytearray(16 << 20))\n"
+         "    print('allocated', (i + 1) * 16, 'MiB', flush=True)\n    time.sleep(0.01)\n")
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,8 @@ from supervisor import slurm as sl
 from supervisor.diagnosis import diagnose_bytes
 from supervisor.models import Category
 
-from .conftest import go, py, wait_file, wait_state, wait_terminal
+from .conftest import ALLOC, go, py, wait_file, wait_state, wait_terminal
 
-ALLOC = ("import time\nb=[]\nfor i in range(400):\n    b.append(bytearray(16 << 20))\n"
-         "    print('allocated', (i + 1) * 16, 'MiB', flush=True)\n    time.sleep(0.01)\n")
 TERM_HANDLER = ("import signal, sys, time, pathlib\n"
                 "def on_term(n, f):\n    pathlib.Path(sys.argv[1]).write_text('got SIGTERM')\n    sys.exit(0)\n"
                 "signal.signal(signal.SIGTERM, on_term)\nprint('ready', flush=True)\n"

@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 from supervisor import slurm as sl
+from supervisor.diagnosis import diagnose_bytes
+from supervisor.models import Category, ExitRecord, HostEvidence
 
-from .conftest import go, wait_file, wait_terminal
+from .conftest import ALLOC, go, wait_file, wait_terminal
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = """import subprocess, sys, time
@@ -31,18 +33,24 @@ p.wait()
 """
 
 
-def test_shim_forwards_sigterm_to_workers_in_their_own_session(slurm, tmp_path):
-    direct_marker, shim_marker = tmp_path / "direct.term", tmp_path / "shim.term"
-    direct, direct_log = go(tmp_path, [sys.executable, "-c", AGENT, str(direct_marker)], "direct")
-    att = tmp_path / "viashim"
+def via_shim(tmp_path: Path, argv: list[str], name: str, **kw):
+    """The attempt as the integrator would wire it: launch.json + the shim exec'd by Slurm."""
+    att = tmp_path / name
     att.mkdir()
     launch = att / "launch.json"
     launch.write_text(json.dumps({
-        "argv": [sys.executable, "-c", AGENT, str(shim_marker)], "cwd": str(tmp_path),
-        "env": dict(os.environ), "log": str(att / "train.log"), "exit_record": str(att / "exit.json"),
-        "rlimits": {}, "cgroup_procs": None, "owner_procs": None, "max_log_bytes": None}))
-    via, via_log = go(tmp_path, [str(launch)], "viashim", env={"PYTHONPATH": str(REPO)},
-                      settings=sl.SlurmSettings(launcher_prefix=[sys.executable, "-m", "supervisor.shim"]))
+        "argv": argv, "cwd": str(tmp_path), "env": dict(os.environ), "log": str(att / "train.log"),
+        "exit_record": str(att / "exit.json"), "rlimits": {}, "cgroup_procs": None, "owner_procs": None,
+        "max_log_bytes": None}))
+    sub, log = go(tmp_path, [str(launch)], name, env={"PYTHONPATH": str(REPO)},
+                  settings=sl.SlurmSettings(launcher_prefix=[sys.executable, "-m", "supervisor.shim"]), **kw)
+    return sub, log, att
+
+
+def test_shim_forwards_sigterm_to_workers_in_their_own_session(slurm, tmp_path):
+    direct_marker, shim_marker = tmp_path / "direct.term", tmp_path / "shim.term"
+    direct, direct_log = go(tmp_path, [sys.executable, "-c", AGENT, str(direct_marker)], "direct")
+    via, via_log, att = via_shim(tmp_path, [sys.executable, "-c", AGENT, str(shim_marker)], "viashim")
     wait_file(direct_log, lambda t: "worker ready" in t)
     wait_file(via_log, lambda t: "worker ready" in t)
     sl.cancel(direct.job_id, hard=False)
@@ -55,3 +63,16 @@ def test_shim_forwards_sigterm_to_workers_in_their_own_session(slurm, tmp_path):
     assert st.state in ("CANCELLED", "FAILED", "COMPLETED")
     wait_terminal(direct.job_id, timeout=45)
     assert not direct_marker.exists()  # without the shim the worker never heard of it
+
+
+def test_oom_through_the_shim_is_host_oom_with_both_witnesses(slurm, tmp_path):
+    sub, log, att = via_shim(tmp_path, [sys.executable, "-c", ALLOC], "shimoom",
+                             request=sl.SlurmJobRequest(mem="200M"))
+    st = wait_terminal(sub.job_id)
+    assert st.state == "OUT_OF_MEMORY", log.read_text()[-2000:]
+    raw = json.loads(wait_file(att / "exit.json", timeout=15))
+    assert raw["returncode"] == -9 and raw["signal"] == "SIGKILL"  # the shim survived the trainer
+    v = sl.verdict(st, log.read_text(errors="replace"))
+    diag = diagnose_bytes(log.read_bytes(), ExitRecord(returncode=raw["returncode"], signal=raw["signal"]),
+                          HostEvidence(**v["host"]))
+    assert diag.category == Category.HOST_OOM, diag.summary
