@@ -5,7 +5,9 @@ fixed random token ids. The OOMs are PyTorch's real CPU-allocator failure: an al
 1 PiB that `DefaultCPUAllocator` refuses, raised from the chosen place:
   --oom-forward C        in the C-th training forward call (1-based; micro-batches count)
   --oom-optimizer K      inside the K-th optimizer.step(), AFTER the parameters were updated
-Run under torchrun for the multi-rank case (`--oom-rank R` limits the OOM to rank R).
+Run under torchrun for the multi-rank case (`--oom-rank R` limits the OOM to rank R) and for
+`--deepspeed CONFIG` (the Trainer then builds torch's AdamW, which DeepSpeed steps inside
+`engine.step()`: --oom-optimizer then fails in the K-th `torch.optim.AdamW.step`, after it).
 Prints `LOSS <step> <loss>` per logged step and exits 0 when training ends.
 """
 
@@ -25,6 +27,7 @@ p.add_argument("--oom-forward", type=int, default=0)
 p.add_argument("--oom-optimizer", type=int, default=0)
 p.add_argument("--oom-rank", type=int, default=-1)
 p.add_argument("--resume", default=None)
+p.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (run under torchrun)")
 a = p.parse_args()
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -84,8 +87,19 @@ args = TrainingArguments(output_dir=a.out, max_steps=a.max_steps, save_steps=a.s
                          per_device_train_batch_size=a.batch, gradient_accumulation_steps=a.accum,
                          learning_rate=1e-3, logging_steps=1, report_to=[], seed=42, use_cpu=True,
                          dataloader_num_workers=0, disable_tqdm=True,
-                         remove_unused_columns=False)
-opt = AdamW(model.parameters(), lr=1e-3)
+                         remove_unused_columns=False, deepspeed=a.deepspeed)
+opt = None if a.deepspeed else AdamW(model.parameters(), lr=1e-3)
+if a.deepspeed and a.oom_optimizer:
+    _step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        out = _step(self, *args, **kwargs)
+        AdamW.steps += 1
+        if ARMED and AdamW.steps == a.oom_optimizer:
+            oom()
+        return out
+
+    torch.optim.AdamW.step = step
 trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None),
                   callbacks=[PrintLoss()])
 trainer.train(resume_from_checkpoint=a.resume)

@@ -6,6 +6,7 @@ forward pass, from inside optimizer.step(), or on one rank of a real two-rank to
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -28,12 +29,13 @@ SAVED_RE = re.compile(r"^oom-supervisor: emergency checkpoint at step (\d+): (\S
 
 
 def run(out: Path, *args: str, hook: str | None = "1", launcher: list[str] | None = None,
-        timeout: float = 300) -> tuple[int, str]:
+        timeout: float = 300, env_extra: dict[str, str] | None = None) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OOM_SUPERVISOR_") and k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(HOOK_DIR), PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}")
     if hook is not None:
         env["OOM_SUPERVISOR_EMERGENCY_CKPT"] = hook
+    env.update(env_extra or {})
     log = out.parent / f"{out.name}.{len(list(out.parent.glob(out.name + '.*.log')))}.log"
     with open(log, "wb") as fh:
         rc = subprocess.run([*(launcher or [sys.executable]), str(SCRIPT), "--out", str(out), *args],
@@ -156,3 +158,56 @@ def test_multi_rank_oom_saves_nothing_and_says_so(tmp_path):
     assert len(said) == 1 and "rank 1 of 2" in said[0] and "collective" in said[0], markers(log)
     assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
     assert not (out / "checkpoint-7").exists()
+
+
+# --- DeepSpeed ZeRO-3 on one CPU rank (torchrun --nproc_per_node 1) ---------------------------
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"deepspeed not importable: {e}")
+    from tests.conftest_ml import CACHE, ds_z3
+
+    root = tmp_path_factory.mktemp("z3")
+    cfg = root / "z3.json"
+    cfg.write_text(json.dumps(ds_z3(offload=False)))
+    return root, cfg, {"TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions")}
+
+
+def torchrun(port: int) -> list[str]:
+    return [str(VENV_BIN / "torchrun"), "--nproc_per_node", "1", "--master_port", str(port)]
+
+
+def test_deepspeed_zero3_one_rank_forward_oom_saves_and_resumes_exactly(zero3):
+    root, cfg, env = zero3
+    rc, ref = run(root / "ref", "--deepspeed", str(cfg), hook=None, launcher=torchrun(29561), env_extra=env)
+    assert rc == 0, ref[-3000:]
+    out = root / "out"
+    rc, log = run(out, "--deepspeed", str(cfg), "--oom-forward", "16", launcher=torchrun(29562), env_extra=env)
+    assert rc != 0
+    saved = SAVED_RE.search(log)
+    assert saved and saved[1] == "7", markers(log)
+    scan = scan_output_dir(out, expected_world_size=1)
+    assert [(c.step, c.zero_stage) for c in scan.complete] == [(5, 3), (7, 3)] and scan.incomplete == ()
+    assert (out / "checkpoint-7" / "latest").read_text().strip() == "global_step7"
+    rc, log2 = run(out, "--deepspeed", str(cfg), "--resume", str(out / "checkpoint-7"), launcher=torchrun(29563),
+                   env_extra=env)
+    assert rc == 0, log2[-3000:]
+    got = {**losses(log), **losses(log2)}
+    assert sorted(got) == list(range(1, 13)) and got == losses(ref)  # bit-identical, dropout on
+
+
+def test_deepspeed_oom_inside_engine_step_saves_nothing(zero3):
+    root, cfg, env = zero3
+    out = root / "opt"
+    # accelerate runs DeepSpeed's optimizer step inside backward; the hook marks engine.step() too.
+    rc, log = run(out, "--deepspeed", str(cfg), "--oom-optimizer", "14", launcher=torchrun(29564),
+                  env_extra=env)
+    assert rc != 0
+    said = [m for m in markers(log) if "no emergency checkpoint: the OOM hit the optimizer step of step" in m]
+    assert len(said) == 1, markers(log)
+    failed_step = int(re.search(r"optimizer step of step (\d+)", said[0])[1])
+    assert failed_step > 5 and max(losses(log)) == failed_step - 1
+    assert [c.step for c in scan_output_dir(out).complete] == [5]
