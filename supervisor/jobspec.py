@@ -75,7 +75,7 @@ def parse_size(value: int | str) -> int:
     return size
 
 
-def parse_duration(value: float | int | str) -> float:
+def parse_duration(value: float | str) -> float:
     """'30m', '2h', 90 -> seconds. Never negative."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"not a duration: {value!r} (use e.g. 90, 30m or 2h)")

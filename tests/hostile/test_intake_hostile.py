@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.jobspec import JobFileError, parse_job_text
-from supervisor.paths import SpoolPaths, StatePaths
 from supervisor import spool as spool_mod
+from supervisor.jobspec import JobFileError, parse_job_text
+from supervisor.paths import SpoolPaths
 from supervisor.spool import intake
 from supervisor.store import Store
 
