@@ -5,6 +5,7 @@ fixed random token ids. The OOMs are PyTorch's real CPU-allocator failure: an al
 1 PiB that `DefaultCPUAllocator` refuses, raised from the chosen place:
   --oom-forward C        in the C-th training forward call (1-based; micro-batches count)
   --oom-optimizer K      inside the K-th optimizer.step(), AFTER the parameters were updated
+  --oom-save K           in the K-th checkpoint save, after weights and optimizer were written
 Run under torchrun for the multi-rank case (`--oom-rank R` limits the OOM to rank R) and for
 `--deepspeed CONFIG` (the Trainer then builds torch's AdamW, which DeepSpeed steps inside
 `engine.step()`: --oom-optimizer then fails in the K-th `torch.optim.AdamW.step`, after it).
@@ -26,6 +27,8 @@ p.add_argument("--accum", type=int, default=2)
 p.add_argument("--oom-forward", type=int, default=0)
 p.add_argument("--oom-optimizer", type=int, default=0)
 p.add_argument("--oom-rank", type=int, default=-1)
+p.add_argument("--oom-save", type=int, default=0, help="OOM in the K-th RNG save (the last file before "
+               "trainer_state.json): a regular checkpoint cut off mid-save")
 p.add_argument("--resume", default=None)
 p.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (run under torchrun)")
 a = p.parse_args()
@@ -70,6 +73,21 @@ class Data(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+_save_rng = Trainer._save_rng_state
+saves = 0
+
+
+def save_rng(self, output_dir):
+    global saves
+    saves += 1
+    if saves == a.oom_save:
+        oom()
+    return _save_rng(self, output_dir)
+
+
+Trainer._save_rng_state = save_rng
 
 
 class PrintLoss(TrainerCallback):

@@ -211,3 +211,18 @@ def test_deepspeed_oom_inside_engine_step_saves_nothing(zero3):
     failed_step = int(re.search(r"optimizer step of step (\d+)", said[0])[1])
     assert failed_step > 5 and max(losses(log)) == failed_step - 1
     assert [c.step for c in scan_output_dir(out).complete] == [5]
+
+
+def test_oom_during_a_regular_save_moves_the_cut_off_checkpoint_aside_and_saves_it_again(tmp_path):
+    out = tmp_path / "out"
+    rc, log = run(out, "--oom-save", "1")  # checkpoint-5: weights and optimizer written, then the OOM
+    assert rc == 1
+    moved = [m for m in markers(log) if "moved the incomplete" in m]
+    assert len(moved) == 1 and str(out / "checkpoint-5") in moved[0], markers(log)
+    saved = SAVED_RE.search(log)
+    assert saved and saved[1] == "5", markers(log)
+    scan = scan_output_dir(out)
+    assert [c.step for c in scan.complete] == [5] and scan.incomplete == ()
+    aside = list((out / ".supervisor-quarantine").iterdir())
+    assert len(aside) == 1 and aside[0].name.startswith("checkpoint-5.incomplete-")
+    assert not (aside[0] / "trainer_state.json").exists() and (aside[0] / "optimizer.pt").exists()
