@@ -275,7 +275,11 @@ def sbatch_args(log: Path, cwd: Path, *, settings: SlurmSettings, request: Slurm
     mem = req.mem if req.mem is not None else settings.mem
     tlimit = req.time or settings.time_limit
     args = ["--parsable", f"--job-name={job_name}", f"--output={log}", f"--error={log}",
-            "--open-mode=append", f"--chdir={cwd}", "--export=ALL", f"--nodes={nodes}"]
+            "--open-mode=append", f"--chdir={cwd}", "--export=ALL", f"--nodes={nodes}",
+            # Slurm requeues on node failure or preemption by itself, rerunning this attempt's
+            # rendered config (its old resume point, its remedies): the daemon plans the next
+            # attempt instead, so NODE_FAIL/PREEMPTED end it (a site may pass --requeue back).
+            "--no-requeue"]
     if nodes > 1:
         args.append("--ntasks-per-node=1")
     if gpus:

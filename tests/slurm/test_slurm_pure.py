@@ -71,7 +71,7 @@ def test_sbatch_args_request_overrides_site():
     args = sl.sbatch_args(Path("/s/log"), Path("/w"), settings=s, request=r, job_name="j1")
     assert {"--parsable", "--open-mode=append", "--output=/s/log", "--error=/s/log", "--export=ALL",
             "--gres=gpu:2", "--mem=954M", "--time=0-00:30:00", "--partition=gpu", "--account=lab",
-            "--nodes=1", "--chdir=/w", "--job-name=j1"} <= set(args)
+            "--nodes=1", "--chdir=/w", "--job-name=j1", "--no-requeue"} <= set(args)
     assert args[-1] == "--qos=high"  # the site's extra arguments come last: they win
     args0 = sl.sbatch_args(Path("/l"), Path("/w"), settings=sl.SlurmSettings(), request=None, job_name="j")
     assert not any(a.startswith(("--gres", "--mem", "--time", "--partition")) for a in args0)

@@ -150,7 +150,7 @@ def test_soft_cancel_reaches_the_trainer_with_sigterm(slurm, tmp_path):
 
 def test_requeue_appends_output_and_is_not_the_same_run(slurm, tmp_path):
     sub, log = go(tmp_path, ["bash", "-c", 'echo "run ${SLURM_RESTART_COUNT:-0}"; exec sleep 300'], "requeue",
-                  request=sl.SlurmJobRequest(mem="100M"))
+                  request=sl.SlurmJobRequest(mem="100M"), settings=sl.SlurmSettings(extra_args=["--requeue"]))
     first = wait_state(sub.job_id, lambda s: s.state == "RUNNING")
     wait_file(log, lambda t: "run 0" in t)
     rec = sl.observed(sub, first)

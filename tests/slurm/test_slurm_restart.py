@@ -61,3 +61,30 @@ def test_controller_killed_right_after_start(slurm, tmp_path):
     sl.cancel(sub.job_id, hard=True, kill_now=True)
     if sl.query(sub.job_id) is not None:
         wait_terminal(sub.job_id, timeout=30)
+
+
+def test_node_failure_ends_the_attempt_as_interrupted_not_requeued_by_slurm(slurm, tmp_path):
+    """A requeue by Slurm would rerun the attempt's rendered config (its old resume point and
+    remedies) behind the supervisor's back; the attempt must end NODE_FAIL so the daemon plans
+    the next one itself."""
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
+    sub, log = go(tmp_path, ["bash", "-c", "echo started; exec sleep 300"], "nodefail",
+                  request=sl.SlurmJobRequest(mem="100M"))
+    wait_state(sub.job_id, lambda s: s.state == "RUNNING", timeout=30)
+    wait_file(log, lambda t: "started" in t)
+    subprocess.run(["scontrol", "update", f"NodeName={host}", "State=DOWN", "Reason=oomsup-test"],
+                   check=True, timeout=30)
+    try:
+        st = wait_state(sub.job_id, lambda s: s.terminal or s.restarts > 0, timeout=30, what="node failure")
+    finally:
+        # ReturnToService=2 may have brought it back already ("Invalid node state" then).
+        subprocess.run(["scontrol", "update", f"NodeName={host}", "State=RESUME"], check=False, timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "idle" not in subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, check=False).stdout:
+            time.sleep(0.3)
+    if not st.terminal:
+        sl.cancel(sub.job_id, hard=True, kill_now=True)
+    assert (st.state, st.restarts) == ("NODE_FAIL", 0), st
+    v = sl.verdict(st, log.read_text(errors="replace"))
+    assert v["interrupted"] and not v["timeout"] and not v["cancelled"]
