@@ -55,9 +55,9 @@ SHAPES = 4096  # remembered shapes of lines that can no longer change the verdic
 SHAPE_LINE = 1024  # longer candidate lines are always read
 _DIGITS = b"0123456789"
 _LOGGED = b"{'loss': "
-NUMERIC_RUN = 3
+NUMERIC_RUN = 3  # consecutive logged steps with a non-finite or exactly-zero loss that stop the attempt
 CALIBRATION_STEPS = 20  # fp16 loss-scale calibration overflows at the start of a run are normal
-OVERFLOW_STORM = (10, 12)  # 10 overflows within 12 steps after calibration: nearly every step skipped  # consecutive logged steps with a non-finite or exactly-zero loss that stop the attempt
+OVERFLOW_STORM = (10, 12)  # 10 overflows within 12 steps after calibration: nearly every step skipped
 # The trainer's logged dicts: {'loss': nan, 'grad_norm': inf, 'learning_rate': 1e-05, 'epoch': 0.1}
 _LOGGED_LOSS_RE = re.compile(r"""^\{['"]loss['"]:\s*(?:np\.float\d+\()?([-+\w.]+)""")
 _LOGGED_GRAD_RE = re.compile(r"""['"]grad_norm['"]:\s*(?:np\.float\d+\()?(?:tensor\()?([-+\w.]+)""")
@@ -215,6 +215,7 @@ class LogScanner:
         self._numeric_fired = False
         self._overflow_steps: deque[int] = deque(maxlen=OVERFLOW_STORM[0])  # steps of recent late overflows
         self._overflow_storm = False
+        self._progress_from: tuple[int, int] | None = None  # (region, offset) where the total became known
         self._region = 0  # count of regions read, to place the last bad logged step
         self._last_bad: tuple[int, int] | None = None  # (region, offset) of the last bad logged step
         # Shapes (digits removed) of candidate lines that matched only rules whose evidence is
@@ -385,7 +386,7 @@ class LogScanner:
             p = buf.find(needle, start, end)
             while p >= 0 and (best < 0 or p < best):
                 ls = buf.rfind(b"\n", start, p) + 1 or start
-                if _SAMPLE_HEADER_RE.match(buf, ls, end) and (ls == start or buf[ls - 1] == 10 or ls == 0):
+                if _SAMPLE_HEADER_RE.match(buf, ls, end):
                     best = ls
                     break
                 p = buf.find(needle, p + 1, end)
@@ -396,13 +397,14 @@ class LogScanner:
         assert self._sample_bytes is not None
         m = _SAMPLE_END_RE.search(buf, pos, end)
         stop = m.start() if m else end
+        closed = m is not None
         budget = SAMPLE_MAX_BYTES - self._sample_bytes
         if stop - pos > budget:  # too long for a sample: end it at the next line start past the budget
             nl = buf.find(b"\n", pos + max(0, budget), end)
             stop = end if nl < 0 else nl + 1
-            m = True  # type: ignore[assignment]
+            closed = True
         self._sample_bytes += stop - pos
-        if m:
+        if closed:
             self._sample_bytes = None
         return stop
 
@@ -627,7 +629,12 @@ class LogScanner:
         if "optimization steps" in t:
             m = rules.TOTAL_STEPS_RE.search(t)
             if m:
+                known = self._needle is not None
                 self._set_total(int(m.group(1).replace(",", "")))
+                if not known:
+                    # Bars earlier in this region were drawn before the total was known: had the
+                    # log been cut here they would not count, so they do not count now either.
+                    self._progress_from = (self._region, ls)
         if "checkpoint-" in t:
             m = rules.CHECKPOINT_STEP_RE.search(t)
             if m:
@@ -740,6 +747,8 @@ class LogScanner:
     def _scan_progress(self, buf: bytes, start: int, end: int, base: int, nlines: int) -> None:
         if self._needle is None:
             return
+        if self._progress_from is not None and self._progress_from[0] == self._region:
+            start = max(start, self._progress_from[1])
         p = buf.rfind(self._needle, start, end)
         if p < 0:
             return
@@ -756,18 +765,23 @@ class LogScanner:
                 w.recovered = True
                 w.notes.append(f"training continued to step {step} afterwards")
 
+    def _floor(self) -> int:
+        """Where backward searches for the bar may start: not before the total became known."""
+        pf = self._progress_from
+        return max(self._rs, pf[1]) if pf is not None and pf[0] == self._region else self._rs
+
     def _step_before(self, buf: bytes, ls: int) -> int | None:
         if self._needle is not None:
-            p = buf.rfind(self._needle, self._rs, ls)
+            p = buf.rfind(self._needle, self._floor(), ls)
             if p >= 0:
-                step = _digits_before(buf, p, self._rs)
+                step = _digits_before(buf, p, self._floor())
                 if step is not None:
                     return max(step, self._last_step or 0)
         return self._last_step if self._last_step is not None else (0 if self._needle else None)
 
     def _bar_line_before(self, buf: bytes, ls: int, line_no: int) -> int:
         if self._needle is not None:
-            p = buf.rfind(self._needle, self._rs, ls)
+            p = buf.rfind(self._needle, self._floor(), ls)
             if p >= 0:
                 return line_no - buf.count(b"\n", p, ls)
         return self._last_bar_line

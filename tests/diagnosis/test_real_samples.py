@@ -48,6 +48,8 @@ def test_a_real_run_printing_error_texts_in_its_sample_is_not_torn_down_or_blame
         fatal += scanner.feed(raw[i:i + 4096])
     assert fatal == []
     assert scanner.samples_skipped >= 1
+    # The block ended at LLaMA-Factory's next logger line: what followed was read (steps, total).
+    assert (scanner.total_steps, scanner.last_step) == (2, 2)
     assert scanner.finish(ExitRecord(returncode=0)).category is Category.SUCCESS
     failed = scanner.finish(ExitRecord(returncode=1))
     assert failed.category not in (Category.DEVICE_FAULT, Category.DISK_FULL, Category.GPU_OOM), failed.summary

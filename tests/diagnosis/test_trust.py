@@ -353,3 +353,21 @@ def test_repeated_overflows_after_calibration_stop_the_attempt_live():
     assert [e.rule for e in fatal] == ["numeric_run"]
     d = s.finish(ExitRecord(returncode=-15, stopped_by="fatal_signal"))
     assert (d.category, d.subkind) == (Category.NUMERIC, "repeated_overflow"), d.summary
+
+
+def test_a_bar_drawn_before_the_total_is_known_counts_the_same_however_the_log_is_chunked():
+    """Found by hypothesis: whole, the bar before 'Total optimization steps' was counted (same chunk);
+    cut between the two lines, it was not."""
+    data = b"\x1b[31m  3%|\xe2\x96\x88    | 30/1000 [00:10<05:00,  3.21it/s]\nTotal optimization steps = 1,000\n"
+    whole = diagnose_bytes(data)
+    s = LogScanner()
+    cut = data.index(b"Total")
+    s.feed(data[:cut])
+    s.feed(data[cut:])
+    assert s.finish().to_dict() == whole.to_dict()
+    oom_glued = (b"\x1b[31m  3%|\xe2\x96\x88    | 30/1000 [00:10<05:00,  3.21it/s]\n[rank3]: torch.OutOfMemoryError: HIP "
+                 b"out of memory. Tried to allocate 124.00 MiB.Total optimization steps = 1,000\n")
+    s2 = LogScanner()
+    s2.feed(oom_glued[:1])
+    s2.feed(oom_glued[1:])
+    assert s2.finish().to_dict() == diagnose_bytes(oom_glued).to_dict()
