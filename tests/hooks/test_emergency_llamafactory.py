@@ -23,6 +23,7 @@ from supervisor.checkpoints import plan_resume, run_shape, scan_output_dir
 from supervisor.demo.assets import build_demo_assets, demo_job_config
 from supervisor.demo.run import DEMO_RLIMIT
 from supervisor.diagnosis import diagnose_file
+from supervisor.hooks.markers import parse_emergency
 from supervisor.models import ExitRecord
 from supervisor.policy.render import HOOK_DIR
 from supervisor.progress import read_progress, steps_lost
@@ -79,6 +80,8 @@ def test_oom_between_checkpoints_leaves_a_complete_checkpoint_of_the_last_step(r
     saved = SAVED_RE.search(log)
     assert saved, [line for line in log.splitlines() if "oom-supervisor" in line]
     assert saved[1] == "8" and saved[2] == str(out / "checkpoint-8")
+    em = parse_emergency(log.splitlines())
+    assert (em.outcome, em.step, em.path) == ("saved", 8, str(out / "checkpoint-8"))
     scan = scan_output_dir(out, expected_world_size=1)
     assert [c.step for c in scan.complete] == [5, 8] and scan.incomplete == ()
     assert scan.latest.train_batch_size == 16

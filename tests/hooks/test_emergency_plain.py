@@ -18,6 +18,7 @@ import pytest
 
 from supervisor.checkpoints import scan_output_dir
 from supervisor.diagnosis import diagnose_file
+from supervisor.hooks.markers import parse_emergency
 from supervisor.models import ExitRecord
 from supervisor.policy.render import HOOK_DIR
 
@@ -68,6 +69,8 @@ def test_forward_oom_mid_accumulation_saves_the_last_finished_step_and_resumes_e
     assert log.rstrip().splitlines()[-1].startswith("RuntimeError: [enforce fail"), "the real error ends the log"
     saved = SAVED_RE.search(log)
     assert saved and saved[1] == "7" and saved[2] == str(out / "checkpoint-7"), markers(log)
+    em = parse_emergency(log.splitlines())
+    assert (em.outcome, em.step, em.path) == ("saved", 7, str(out / "checkpoint-7"))
     scan = scan_output_dir(out)
     assert [c.step for c in scan.complete] == [5, 7] and scan.incomplete == ()
     assert not list(out.glob("tmp-*"))
@@ -93,6 +96,7 @@ def test_oom_inside_the_optimizer_step_saves_nothing(tmp_path):
     assert rc == 1
     assert any("no emergency checkpoint: the OOM hit the optimizer step of step 8" in m
                and "half-updated" in m for m in markers(log)), markers(log)
+    assert parse_emergency(log.splitlines()).outcome == "not_attempted"
     assert [c.step for c in scan_output_dir(out).complete] == [5]
     assert not (out / "checkpoint-7").exists() and not (out / "checkpoint-8").exists()
     assert not list(out.glob("tmp-*"))
@@ -104,6 +108,7 @@ def test_oom_right_after_a_regular_save_keeps_that_checkpoint(tmp_path):
     assert rc == 1
     assert f"emergency checkpoint at step 5: {out / 'checkpoint-5'} (already saved by the regular schedule)" \
         in log, markers(log)
+    assert parse_emergency(log.splitlines()).outcome == "already_saved"
     assert [c.step for c in scan_output_dir(out).complete] == [5]
 
 
@@ -138,6 +143,8 @@ def test_failing_save_on_a_full_disk_leaves_no_checkpoint_that_looks_complete(tm
         assert rc == 1
         failed = [m for m in markers(log) if "emergency checkpoint at step 7 failed:" in m]
         assert failed, markers(log)
+        em = parse_emergency(log.splitlines())
+        assert em.outcome == "failed" and em.step == 7, em
         scan = scan_output_dir(out)
         assert [c.step for c in scan.complete] == [5] and scan.incomplete == ()
         assert sorted(p.name for p in out.iterdir()) == ["checkpoint-5"]  # staging removed
@@ -156,6 +163,7 @@ def test_multi_rank_oom_saves_nothing_and_says_so(tmp_path):
     assert rc != 0
     said = [m for m in markers(log) if m.startswith("oom-supervisor: no emergency checkpoint:")]
     assert len(said) == 1 and "rank 1 of 2" in said[0] and "collective" in said[0], markers(log)
+    assert parse_emergency(log.splitlines()).outcome == "not_attempted"
     assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
     assert not (out / "checkpoint-7").exists()
 
@@ -219,6 +227,8 @@ def test_oom_during_a_regular_save_moves_the_cut_off_checkpoint_aside_and_saves_
     assert rc == 1
     moved = [m for m in markers(log) if "moved the incomplete" in m]
     assert len(moved) == 1 and str(out / "checkpoint-5") in moved[0], markers(log)
+    em = parse_emergency(log.splitlines())
+    assert em.outcome == "saved" and em.moved_aside and ".supervisor-quarantine" in em.moved_aside
     saved = SAVED_RE.search(log)
     assert saved and saved[1] == "5", markers(log)
     scan = scan_output_dir(out)
