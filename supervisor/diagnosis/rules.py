@@ -589,7 +589,9 @@ def classify(seg: Segment) -> list[Hit]:
         hits.append(Hit("rendezvous", Category.COMM_FAILURE, COMM, "rendezvous", exc=seg.exc))
 
     # Transient environment failures, before config: a hub lookup that failed for want of a network.
-    if _ENV_RE.search(t) and not _OFFLINE_RE.search(t) and (exc_form or "LocalEntryNotFoundError" in t):
+    # (A connection between ranks - c10d store, rendezvous, NCCL - stays a comm failure.)
+    if (_ENV_RE.search(t) and not _OFFLINE_RE.search(t) and (exc_form or "LocalEntryNotFoundError" in t)
+            and not any(h.category is Category.COMM_FAILURE for h in hits)):
         hits.append(Hit("environment", Category.ENVIRONMENT, ROOT, "network", exc=seg.exc))
         return hits
 

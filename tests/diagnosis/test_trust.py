@@ -371,3 +371,12 @@ def test_a_bar_drawn_before_the_total_is_known_counts_the_same_however_the_log_i
     s2.feed(oom_glued[:1])
     s2.feed(oom_glued[1:])
     assert s2.finish().to_dict() == diagnose_bytes(oom_glued).to_dict()
+
+
+def test_a_connection_failure_between_ranks_stays_a_comm_failure():
+    d = diagnose_bytes(tb(b"torch.distributed.DistStoreError: ConnectionResetError: [Errno 104] Connection reset by "
+                          b"peer (c10d store at 10.0.0.1:29500)"), ExitRecord(1))
+    assert d.category is Category.COMM_FAILURE, d.summary
+    h = diagnose_bytes(tb(b"requests.exceptions.ConnectionError: HTTPSConnectionPool(host='huggingface.co', port=443): "
+                          b"Max retries exceeded (Caused by NameResolutionError)"), ExitRecord(1))
+    assert h.category is Category.ENVIRONMENT, h.summary
