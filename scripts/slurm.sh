@@ -10,6 +10,7 @@
 # Why each choice: ../shared/docs/slurm.md (measured on these machines). Two fake GPUs are
 # character devices (a gres with only Count= drains the node). SlurmdParameters=config_overrides
 # lets the node declare more CPUs than the box has, so several short test jobs run at once.
+# Partition "scavenger" (lower PriorityTier, PreemptMode=CANCEL) lets a test see PREEMPTED.
 set -euo pipefail
 
 DIR="${SLURM_DIR:-/tmp/oom-supervisor-slurm}"
@@ -90,9 +91,12 @@ MailProg=/bin/true
 MpiDefault=none
 SlurmdParameters=config_overrides
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$mem Gres=gpu:$GPUS State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=2
+PartitionName=scavenger Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1
 EOF
-  mv "$CONF.tmp" "$CONF"
+  if cmp -s "$CONF.tmp" "$CONF"; then rm -f "$CONF.tmp"; else mv "$CONF.tmp" "$CONF"; CHANGED=1; fi
   cat > "$DIR/cgroup.conf" <<EOF
 CgroupPlugin=cgroup/v1
 ConstrainRAMSpace=yes
@@ -119,11 +123,16 @@ start_munge() {
 up() {
   [ "$(id -u)" = 0 ] || command -v sudo >/dev/null || die "needs root (slurmd runs as root)"
   install_packages
+  [ -d /sys/fs/cgroup/memory ] || die "no cgroup v1 memory controller (Slurm here is configured for v1)"
+  CHANGED=""
+  write_config
+  # A config written by an older version of this script: restart on the new one.
+  if [ -n "$CHANGED" ] && { alive "$DIR/slurmctld.pid" || alive "$DIR/slurmd.pid"; }; then
+    say "config changed: restarting"; down
+  fi
   if alive "$DIR/slurmctld.pid" && alive "$DIR/slurmd.pid" && alive "$DIR/munge/munged.pid" && node_idle; then
     echo "SLURM_CONF=$CONF"; return 0
   fi
-  [ -d /sys/fs/cgroup/memory ] || die "no cgroup v1 memory controller (Slurm here is configured for v1)"
-  write_config
   start_munge
   alive "$DIR/slurmctld.pid" || slurmctld -f "$CONF" || die "slurmctld failed: $(tail -5 "$DIR/log/slurmctld.log")"
   alive "$DIR/slurmd.pid" || slurmd -f "$CONF" || die "slurmd failed: $(tail -5 "$DIR/log/slurmd.log")"

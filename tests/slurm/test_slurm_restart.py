@@ -88,3 +88,20 @@ def test_node_failure_ends_the_attempt_as_interrupted_not_requeued_by_slurm(slur
     assert (st.state, st.restarts) == ("NODE_FAIL", 0), st
     v = sl.verdict(st, log.read_text(errors="replace"))
     assert v["interrupted"] and not v["timeout"] and not v["cancelled"]
+
+
+def test_preempted_attempt_is_interrupted(slurm, tmp_path):
+    """scripts/slurm.sh's "scavenger" partition has the lower PriorityTier (PreemptMode=CANCEL):
+    a job asking for both fake GPUs in the default partition preempts the one holding them."""
+    low, low_log = go(tmp_path, ["bash", "-c", "echo started; exec sleep 300"], "low",
+                      settings=sl.SlurmSettings(partition="scavenger"),
+                      request=sl.SlurmJobRequest(mem="100M", gpus_per_node=2))
+    wait_state(low.job_id, lambda s: s.state == "RUNNING", timeout=30)
+    wait_file(low_log, lambda t: "started" in t)
+    high, _ = go(tmp_path, ["true"], "high", request=sl.SlurmJobRequest(mem="100M", gpus_per_node=2))
+    st = wait_terminal(low.job_id, timeout=60)
+    assert st.state == "PREEMPTED", st
+    text = wait_file(low_log, lambda t: "DUE TO PREEMPTION" in t)
+    v = sl.verdict(st, text)
+    assert v["interrupted"] and not v["cancelled"] and v["exit"]["returncode"] == -15
+    assert wait_terminal(high.job_id, timeout=60).state == "COMPLETED"
