@@ -407,10 +407,11 @@ def gpu_oom_numbers(text: str) -> dict[str, int]:
     d = _OOM_DEVICE_RE.search(text)
     if d:
         nums["device_index"] = int(d.group(1))
+    this_process = "process_in_use" in nums  # "this process has X memory in use"
     procs = [parse_size(p) or 0 for p in _PROCESS_RE.findall(text)]
     if procs and "process_in_use" not in nums:
         nums["process_in_use"] = max(procs)
-    if {"total_capacity", "free", "process_in_use"} <= nums.keys():
+    if this_process and {"total_capacity", "free"} <= nums.keys():
         # What neither this process nor the free pool holds: other processes (or the driver).
         nums["held_by_others"] = max(0, nums["total_capacity"] - nums["free"] - nums["process_in_use"])
     return nums

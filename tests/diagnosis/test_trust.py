@@ -380,3 +380,11 @@ def test_a_connection_failure_between_ranks_stays_a_comm_failure():
     h = diagnose_bytes(tb(b"requests.exceptions.ConnectionError: HTTPSConnectionPool(host='huggingface.co', port=443): "
                           b"Max retries exceeded (Caused by NameResolutionError)"), ExitRecord(1))
     assert h.category is Category.ENVIRONMENT, h.summary
+
+
+def test_held_by_others_needs_this_processes_own_figure():
+    listed_only = (b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                   b"of 79.14 GiB of which 1.00 GiB is free. Process 4242 has 70.00 GiB memory in use.")
+    assert "held_by_others" not in diagnose_bytes(tb(listed_only), ExitRecord(1)).numbers
+    both = listed_only + b" Including non-PyTorch memory, this process has 8.00 GiB memory in use."
+    assert diagnose_bytes(tb(both), ExitRecord(1)).numbers["held_by_others"] == int((79.14 - 1.00 - 8.00) * GIB)
