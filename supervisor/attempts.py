@@ -206,6 +206,16 @@ class Runner:
             self.store.transition(job.id, JobState.RUNNING, "preparing attempt")
             self._fail(job.id, f"cannot render attempt {number}: {exc}")
             return None
+        if spec.kind == "llamafactory":
+            from .policy import check_rendered
+
+            mismatched = check_rendered(rendered, user_deepspeed=_ds_of(spec, Overrides()),
+                                        world_size=self.launched_world_size(spec))
+            if mismatched:
+                self.store.transition(job.id, JobState.RUNNING, "preparing attempt")
+                self._fail(job.id, f"attempt {number} would launch a YAML and a DeepSpeed JSON that "
+                                   "transformers refuses together: " + "; ".join(map(str, mismatched)))
+                return None
         for name, content in rendered.files.items():
             atomic_write_text(paths.root / name, content, mode=0o600)
         if spec.kind == "llamafactory":
@@ -307,7 +317,8 @@ class Runner:
             return None
         from .checkpoints import apply_fixups, plan_resume, quarantine, run_shape, scan_output_dir
 
-        scan = scan_output_dir(output_dir, expected_world_size=spec.world_size)
+        world = self.launched_world_size(spec)
+        scan = scan_output_dir(output_dir, expected_world_size=world)
         for inc in scan.incomplete:
             moved = quarantine(inc)
             self._event(job.id, "checkpoint_quarantined",
@@ -316,9 +327,9 @@ class Runner:
         ckpt = scan.latest
         prev_attempt = self.store.last_attempt(job.id)
         prev_over = Overrides.from_dict(prev_attempt.json("overrides")) if prev_attempt else None
-        nxt = run_shape({**spec.config, **overrides.yaml}, world_size=spec.world_size,
+        nxt = run_shape({**spec.config, **overrides.yaml}, world_size=world,
                         deepspeed_cfg=_ds_of(spec, overrides))
-        prev = (run_shape({**spec.config, **prev_over.yaml}, world_size=spec.world_size,
+        prev = (run_shape({**spec.config, **prev_over.yaml}, world_size=world,
                           deepspeed_cfg=_ds_of(spec, prev_over)) if prev_over is not None else None)
         versions = self._versions_for(spec)
         policy = self._policy(spec, job)
@@ -334,6 +345,12 @@ class Runner:
         if plan.semantic_change:
             self._event(job.id, "semantic_change", f"TRAINING SEMANTICS CHANGE: {plan.semantic_change}",
                         attempt=number)
+        from .checkpoints import reclaim
+
+        for removed in reclaim(output_dir, keep_quarantined=policy.retention.keep_quarantined,
+                               keep_archived=policy.retention.keep_archived):
+            self._event(job.id, "checkpoint_reclaimed", removed.describe(), attempt=number,
+                        path=str(removed.aside.path), bytes=removed.aside.size_bytes)
         return plan
 
     def _job_python(self, spec) -> str | None:
@@ -417,9 +434,12 @@ class Runner:
 
     def _policy(self, spec, job: JobRow):
         from .policy import load_policy
+        from .policy.schema import load_policy_by_name
 
-        return load_policy(spec.sup.policy or job.policy or self.cfg.default_policy,
-                           search_dirs=self.cfg.policy_search_dirs())
+        named = spec.sup.policy or job.policy
+        if named:  # a job names its policy; it never points at a file (`policy: /etc/shadow`)
+            return load_policy_by_name(named, search_dirs=self.cfg.policy_search_dirs())
+        return load_policy(self.cfg.default_policy, search_dirs=self.cfg.policy_search_dirs())  # the admin's
 
     # --- follow -------------------------------------------------------------------------------
     def poll(self, act: Active) -> bool:
@@ -610,7 +630,12 @@ class Runner:
         cancel = stopped_by == "cancel" or bool(job and job.cancel_requested)
         decision = None
         if not cancel and stopped_by not in ("shutdown", "vanished") and act.broken is None:
-            decision = self.decide(act.job_id, diagnosis)
+            row = self.store.attempt(act.job_id, act.number)
+            this = AttemptRecord(
+                number=act.number, overrides=Overrides.from_dict(row.json("overrides") if row else None),
+                diagnosis=diagnosis, exit=exit_rec, resumed_from_step=row.resumed_from_step if row else None,
+                max_step=progress.get("max_step"), checkpoint_step_after=progress.get("checkpoint_step_after"))
+            decision = self.decide(act.job_id, diagnosis, this)
         fields: dict[str, Any] = dict(
             ended_at=raw.get("ended_at") or self.clock(), exit=json.dumps(exit_rec.to_dict()),
             diagnosis=json.dumps(diagnosis.to_dict()), detected_at=act.detected_at,
@@ -700,8 +725,9 @@ class Runner:
                             limit_enforced_kill=act.limit_killed,
                             free_bytes=_free_bytes([act.output_dir, act.paths.root]))
 
-    def decide(self, job_id: int, diagnosis: Diagnosis) -> Decision:
-        """What to do next (the pure policy over what the record says); no writes."""
+    def decide(self, job_id: int, diagnosis: Diagnosis, this: AttemptRecord | None = None) -> Decision:
+        """What to do next (the pure policy over the record plus `this`, the attempt being judged,
+        not yet recorded as ended); no writes."""
         from .policy import decide
 
         if diagnosis.category == Category.SUCCESS:
@@ -710,7 +736,10 @@ class Runner:
         try:
             spec = self.spec_of(job_id)
             policy = self._policy(spec, job)
-            return decide(self._context(job, spec), self._history(job_id), diagnosis, policy)
+            history = [a for a in self._history(job_id) if this is None or a.number != this.number]
+            if this is not None:
+                history.append(this)
+            return decide(self._context(job, spec), history, diagnosis, policy)
         except Exception as exc:
             log.exception("decide_failed", job=job_id)
             return Decision(DecisionKind.FAIL, f"the policy could not decide: {exc!r}")
@@ -744,6 +773,7 @@ class Runner:
             self._notify(job_id, "paused", decision.reason)
 
     def decide_and_apply(self, job_id: int, number: int, diagnosis: Diagnosis) -> Decision:
+        """For an attempt already recorded as ended."""
         decision = self.decide(job_id, diagnosis)
         with self.store.tx():
             self.apply(job_id, number, decision)
@@ -781,6 +811,25 @@ class Runner:
                 "attempts": len(self.store.attempts(job_id)), "ts": self.clock(),
                 "_job_notify": spec_notify, **extra}
 
+    def _gpu_capacities(self) -> dict[int, int]:
+        if self._gpu_caps is None:
+            from .gpus import probe_capacities
+
+            self._gpu_caps = probe_capacities()
+        return self._gpu_caps
+
+    def _launch_fields(self, spec) -> dict[str, Any]:
+        """The world size the launch really has (pinned ranks, `gpus:`, else every visible GPU)."""
+        from .llamafactory.launch import launch_fields
+
+        env = self._environment(spec, {})
+        return launch_fields(nproc_per_node=spec.sup.nproc_per_node, gpus=spec.sup.gpus, env=env,
+                             probed_gpus=len(self._gpu_capacities()))
+
+    def launched_world_size(self, spec) -> int:
+        return JobContext(id=0, name="", kind=spec.kind, config={}, world_size=spec.world_size,
+                          **self._launch_fields(spec)).launched_world_size()
+
     def _context(self, job: JobRow, spec) -> JobContext:
         """What the pure policy may know, gathered here at the edge."""
         shape_fields: dict[str, Any] = {}
@@ -791,19 +840,20 @@ class Runner:
             local = spec.resolve(str(model))
             shape_fields = context_fields(read_model_shape(local)) if local.exists() else {}
         versions = self._versions_for(spec) if spec.kind == "llamafactory" else {}
-        if self._gpu_caps is None:
-            from .gpus import probe_capacities
-
-            self._gpu_caps = probe_capacities()
         from .gpus import capacity_for
 
+        vm = psutil.virtual_memory()
         return JobContext(
             id=job.id, name=job.name, kind=spec.kind, config=dict(spec.config), world_size=spec.world_size,
-            max_attempts=spec.sup.max_attempts or 8, host_ram_bytes=psutil.virtual_memory().total,
-            gpu_capacity_bytes=capacity_for(self._gpu_caps, spec.sup.gpus),
+            max_attempts=spec.sup.max_attempts or 8, host_ram_bytes=vm.total,
+            gpu_capacity_bytes=capacity_for(self._gpu_capacities(), spec.sup.gpus),
             torch_version=versions.get("torch"), transformers_version=versions.get("transformers"),
             uses_vllm=str(spec.config.get("infer_backend", "")).lower() == "vllm",
-            deepspeed_config=_ds_of(spec, Overrides()), **shape_fields)
+            deepspeed_config=_ds_of(spec, Overrides()),
+            host_memory_limit_bytes=spec.sup.host_memory_limit,
+            # The attempt has ended when the policy decides: what is in use now is others'.
+            host_used_by_others_bytes=vm.total - vm.available,
+            **self._launch_fields(spec), **shape_fields)
 
     def _history(self, job_id: int) -> list[AttemptRecord]:
         out = []

@@ -283,7 +283,8 @@ class Daemon:
     # --- steps ----------------------------------------------------------------------
     def step_intake(self) -> None:
         intake(self.cfg.spool, self.state, self.store, settle_s=self.cfg.settle_time,
-               max_bytes=self.cfg.max_job_file_bytes, now=self.clock(), log=log)
+               max_bytes=self.cfg.max_job_file_bytes, now=self.clock(), log=log,
+               policy_dirs=self.cfg.policy_search_dirs())
 
     def step_control(self) -> None:
         """Act on requests the CLI left in the record (cancel of a running job)."""

@@ -65,7 +65,11 @@ def install(trainer_module):
     original = trainer_cls.train
 
     def train(self, *args, **kwargs):
-        tracker = _tracker(self)
+        try:
+            tracker = _tracker(self)
+        except Exception as exc:  # never break the training over the hook
+            warn(f"emergency checkpoint off for this run: {exc!r}")
+            return original(self, *args, **kwargs)
         try:
             return original(self, *args, **kwargs)
         except BaseException as exc:
@@ -148,7 +152,11 @@ def _make_tracker(trainer):
 
         def on_train_begin(self, args, state, control, **kw):
             self.started_at, self.finished, self.unsafe = state.global_step, 0, None
-            _watch_deepspeed_step(trainer, self)
+            if getattr(trainer, "is_deepspeed_enabled", False):
+                # accelerate runs DeepSpeed's optimizer step inside backward (engine.step())
+                _watch_step(getattr(trainer, "model_wrapped", None), trainer, self)
+            if not hasattr(TrainerCallback, "on_pre_optimizer_step"):  # older transformers
+                _watch_step(getattr(trainer, "optimizer", None), trainer, self)
             self.snap = None
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
@@ -166,12 +174,9 @@ def _make_tracker(trainer):
     return EmergencyTracker()
 
 
-def _watch_deepspeed_step(trainer, tracker):
-    """accelerate runs DeepSpeed's optimizer step inside backward (engine.step()): mark it too."""
-    if not getattr(trainer, "is_deepspeed_enabled", False):
-        return
-    engine = getattr(trainer, "model_wrapped", None)
-    step = getattr(engine, "step", None)
+def _watch_step(obj, trainer, tracker):
+    """Mark the state unsafe from the moment `obj.step()` starts (until the step's end)."""
+    step = getattr(obj, "step", None)
     if step is None or getattr(step, "_oom_supervisor", False):
         return
 
@@ -180,7 +185,7 @@ def _watch_deepspeed_step(trainer, tracker):
         return step(*args, **kwargs)
 
     watched._oom_supervisor = True
-    engine.step = watched
+    obj.step = watched
 
 
 def _snapshot(trainer):
