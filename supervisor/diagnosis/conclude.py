@@ -68,6 +68,8 @@ _SCHEDULER_VERDICTS = {
     "PREEMPTED": (Category.UNKNOWN, "preempted", "the job was preempted for another one; not a failure"),
     "CANCELLED": (Category.UNKNOWN, "cancelled", "someone cancelled the job; not a failure"),
     "NODE_FAIL": (Category.ENVIRONMENT, "node_fail", "the node failed; a retry on a healthy node is expected to work"),
+    "BOOT_FAIL": (Category.ENVIRONMENT, "node_fail", "the node failed to boot; a retry elsewhere is expected to work"),
+    "DEADLINE": (Category.UNKNOWN, "scheduler_timeout", "the job reached its deadline; not a failure of the training"),
 }
 REFINE_WINDOW = 64  # lines between a library's OOM message and the exception it raised
 

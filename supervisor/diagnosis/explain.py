@@ -19,7 +19,8 @@ from supervisor.diagnosis.rules import KERNEL_OOM_RE
 from supervisor.diagnosis.sizes import human, parse_size
 from supervisor.models import Diagnosis, ExitRecord, HostEvidence
 
-SCHEDULER_STATES = ("OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "CANCELLED", "FAILED", "COMPLETED")
+SCHEDULER_STATES = ("OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "CANCELLED", "FAILED", "COMPLETED",
+                    "DEADLINE", "BOOT_FAIL")
 KERNEL_LOG_MAX_BYTES = 64 << 20
 
 

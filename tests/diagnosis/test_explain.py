@@ -98,7 +98,7 @@ def test_cgroup_counter_flag_corroborates_a_kill():
 def test_slurm_states_are_read(tmp_path):
     log = str(FIXTURES / "host_oom_cgroup_kill_137.log")
     want = {"OUT_OF_MEMORY": "host_oom", "TIMEOUT": "unknown", "PREEMPTED": "unknown", "CANCELLED": "unknown",
-            "NODE_FAIL": "environment"}
+            "NODE_FAIL": "environment", "DEADLINE": "unknown", "BOOT_FAIL": "environment"}
     for state, category in want.items():
         rc, out, err = _run([log, "--slurm-state", state.lower(), "--exit-code", "137", "--json"])
         assert rc == 0, err
