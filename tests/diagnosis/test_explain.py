@@ -91,6 +91,7 @@ def test_kernel_log_and_exit_status_make_a_sigkill_a_host_oom(tmp_path):
 def test_cgroup_counter_flag_corroborates_a_kill():
     rc, out, _ = _run([str(FIXTURES / "host_oom_cgroup_kill_137.log"), "--signal", "SIGKILL",
                        "--cgroup-oom-kills", "2", "--json"])
+    assert rc == 0
     d = json.loads(out)
     assert d["category"] == "host_oom" and "oom_kill counter = 2" in d["summary"]
 
@@ -110,8 +111,9 @@ def test_slurm_states_are_read(tmp_path):
 def test_free_bytes_confirm_or_refute_a_full_disk():
     log = str(FIXTURES / "disk_full_checkpoint_save.log")
     rc, out, _ = _run([log, "--exit-code", "1", "--free-bytes", "/data/out=1048576", "--json"])
-    assert json.loads(out)["category"] == "disk_full"
+    assert rc == 0 and json.loads(out)["category"] == "disk_full"
     rc, out, _ = _run([log, "--exit-code", "1", "--free-bytes", "/data/out=500GiB", "--json"])
+    assert rc == 0
     d = json.loads(out)
     assert d["category"] == "crash_other" and d["strength"] == "hint" and "statvfs disagrees" in d["summary"]
 
@@ -125,5 +127,5 @@ def test_bad_evidence_flags_are_clear_errors(tmp_path):
         (["--kernel-log", str(tmp_path / "missing.txt")], "kernel log not found"),
         (["--cgroup-oom-kills", "-1"], "--cgroup-oom-kills must be >= 0"),
     ):
-        rc, out, err = _run([log, *argv])
+        rc, _out, err = _run([log, *argv])
         assert rc == 2 and msg in err, (argv, err)
