@@ -383,7 +383,7 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
                                    numbers={"scheduler_state": sched})
 
     active = [f for f in state.findings if not f.recovered]
-    decisive = _decisive(active, signal, host)
+    decisive = _decisive(active, signal)
     own_kill = stopped_by in _OWN_KILLS
     exit_killed = not own_kill and signal == "SIGKILL"
     kill_marker = next((f for f in active if f.rule == "sigkill"), None)
@@ -474,7 +474,7 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
                   f"Exited with status {rc}; the log shows no recognised error.", state, _tail_evidence(state))
 
 
-def _decisive(active: list[Finding], signal: str | None, host: HostEvidence | None) -> list[Finding]:
+def _decisive(active: list[Finding], signal: str | None) -> list[Finding]:
     """Structural findings: exceptions ending a traceback, plus a runtime's fault line that the
     exit status corroborates (a device fault printed just before SIGABRT/SIGSEGV/SIGBUS)."""
     out = [f for f in active if f.structural and f.tier != HINT]
