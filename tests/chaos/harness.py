@@ -140,6 +140,18 @@ class Record:
             rows = self._q("SELECT * FROM events WHERE job_id=? AND kind LIKE ? ORDER BY id", (job, like))
         return [dict(r) for r in rows]
 
+    def writable_now(self) -> bool:
+        """False while another connection (a frozen daemon mid-transaction) holds the write lock."""
+        con = sqlite3.connect(self.db, timeout=0, isolation_level=None)
+        try:
+            con.execute("BEGIN IMMEDIATE")
+            con.execute("ROLLBACK")
+            return True
+        except sqlite3.OperationalError:
+            return False
+        finally:
+            con.close()
+
     def integrity(self) -> str:
         con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=30)
         try:
