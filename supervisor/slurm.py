@@ -7,6 +7,9 @@ API (what the attempt runner calls; every Slurm command runs with a timeout, non
   the trainer and not a shell that would swallow it) and runs ``sbatch --parsable`` with the
   attempt's environment as sbatch's own (``--export=ALL``). The log is the job's ``--output``,
   opened with ``--open-mode=append`` (a requeue must not truncate what the scanner already read).
+  ``--no-requeue``: on a node failure or preemption Slurm would rerun this attempt's rendered
+  config (old resume point, old remedies) by itself; the attempt ends NODE_FAIL/PREEMPTED instead
+  and the daemon plans the next one. Slurm rounds time limits up to whole minutes.
 - ``query(job_id) -> SlurmJobState | None``: ``scontrol -d show job J --oneliner``, then
   ``sacct -c`` (the jobcomp file) once scontrol has forgotten the job (MinJobAge); None when
   neither knows it (lost). Raises SlurmUnavailable when the controller does not answer within
@@ -20,8 +23,9 @@ API (what the attempt runner calls; every Slurm command runs with a timeout, non
   which forwards to its workers) and leaves the waiting to the caller; hard is ``scancel``
   (SIGTERM, KillWait, SIGKILL to the whole job cgroup) or, with ``kill_now=True``, SIGKILL at once.
 - ``same_run(recorded, now) -> bool``: see its docstring (a job id alone is not proof).
-- ``verdict(state, log_tail, *, requested_mem_bytes=None) -> dict``: diagnosis evidence: ``exit`` (ExitRecord fields), ``host``
-  (HostEvidence fields), ``scheduler_state``, ``interrupted``, ``timeout``, ``cancelled``,
+- ``verdict(state, log_tail, *, requested_mem_bytes=None) -> dict``: diagnosis evidence:
+  ``exit`` (ExitRecord fields), ``host`` (HostEvidence fields), ``scheduler_state``,
+  ``interrupted`` (NODE_FAIL, PREEMPTED, BOOT_FAIL: resume, no budget), ``timeout``, ``cancelled``,
   ``evidence`` (the log lines it rests on); ``records(v)`` -> (ExitRecord, HostEvidence).
 - ``observed(submission, state) -> dict``: what to record once the job is seen started.
 
@@ -29,6 +33,9 @@ Wiring advice, tested in tests/slurm/test_slurm_shim.py: run the launch shim ins
 (``launcher_prefix=[python, "-m", "supervisor.shim"]``, argv ``[launch.json]``). Slurm's SIGTERM
 reaches only the batch process; torchrun-like workers in their own sessions would be SIGKILLed
 unwarned, while the shim forwards SIGTERM to every descendant and writes exit.json in the job.
+
+Seen here: while a killed job is COMPLETING (up to KillWait, 30 s) slurmctld starts no other job
+on the node, so the attempt after a hard cancel may wait that long in PENDING.
 
 Multi-node (nodes > 1) is only reasoned, never run here (one node): the batch script ``exec``s
 ``srun --ntasks-per-node=1`` so each node runs one launcher with LLaMA-Factory's own variables
