@@ -70,6 +70,11 @@ _LOGGED_GRAD_RE = re.compile(r"""['"]grad_norm['"]:\s*(?:np\.float\d+\()?(?:tens
 _SAMPLE_HEADER_RE = re.compile(
     rb"(?:\[(?:rank|default)\d+\]: ?)?(?:(?:training|eval) example:|(?:chosen_|rejected_)?input_ids:)[ \t]*\r?\n")
 _SAMPLE_END_RE = re.compile(rb"(?m)^(?:\[(?:rank|default)\d+\]: ?)?\[(?:INFO|WARNING|ERROR|DEBUG|CRITICAL)\|")
+# With a quieter logger (LLAMAFACTORY_VERBOSITY=WARN) no such line may follow: the block then also
+# ends after its last section ("labels:", pairwise "rejected_labels:"), whose decoded text is the
+# training target and ends with the tokenizer's end-of-sequence token.
+_SAMPLE_FINAL_RE = re.compile(rb"(?m)^(?:rejected_)?labels:[ \t]*\r?$")
+_SAMPLE_EOS_RE = re.compile(rb"(?m)(?:<\|[A-Za-z0-9_]+\|>|</s>|<eos>|<end_of_turn>)[ \t]*\r?$")
 
 _KEYWORDS = list(dict.fromkeys(rules.KEYWORDS))
 # A keyword that contains another one adds nothing to the alternation.
@@ -209,6 +214,7 @@ class LogScanner:
         self._tb_at: dict[int | None, int] = {}  # rank -> line of its open traceback's last frame
         self._exc_at: dict[int | None, int] = {}  # rank -> line of the exception that closed its traceback
         self._sample_bytes: int | None = None  # bytes read of the open printed-sample block, if any
+        self._sample_final = False  # the open block's last section (labels) has begun
         self.samples_skipped = 0  # printed sample blocks ignored
         self.internal_errors = 0  # lines the scanner failed on (skipped; never raised to the caller)
         self._numeric_run: list[tuple[int, str, str]] = []  # (line, text, what) of consecutive bad logged steps
@@ -373,6 +379,7 @@ class LogScanner:
             if h < 0:
                 return
             self._sample_bytes = 0
+            self._sample_final = False
             self.samples_skipped += 1
             he = buf.index(b"\n", h) + 1  # the header line belongs to the block
             self._skip_lines(buf, h, he)
@@ -398,6 +405,16 @@ class LogScanner:
         m = _SAMPLE_END_RE.search(buf, pos, end)
         stop = m.start() if m else end
         closed = m is not None
+        final_from = pos
+        if not self._sample_final:
+            f = _SAMPLE_FINAL_RE.search(buf, pos, stop)
+            if f is not None:
+                self._sample_final, final_from = True, f.end()
+        if self._sample_final:
+            e = _SAMPLE_EOS_RE.search(buf, final_from, stop)
+            if e is not None:
+                nl = buf.find(b"\n", e.end(), end)
+                stop, closed = (end if nl < 0 else nl + 1), True
         budget = SAMPLE_MAX_BYTES - self._sample_bytes
         if stop - pos > budget:  # too long for a sample: end it at the next line start past the budget
             nl = buf.find(b"\n", pos + max(0, budget), end)

@@ -388,3 +388,21 @@ def test_held_by_others_needs_this_processes_own_figure():
     assert "held_by_others" not in diagnose_bytes(tb(listed_only), ExitRecord(1)).numbers
     both = listed_only + b" Including non-PyTorch memory, this process has 8.00 GiB memory in use."
     assert diagnose_bytes(tb(both), ExitRecord(1)).numbers["held_by_others"] == int((79.14 - 1.00 - 8.00) * GIB)
+
+
+def test_a_sample_block_ends_with_its_labels_when_no_logger_line_follows():
+    """LLAMAFACTORY_VERBOSITY=WARN: no "[INFO|" line after the sample; a real crash right after it counts."""
+    quiet = (b"training example:\ninput_ids:\n[1, 2, 3]\ninputs:\n<|im_start|>user\nRuntimeError: CUDA error: an illegal "
+             b"memory access was encountered\n<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\nlabel_ids:\n[-100, 3]\n"
+             b"labels:\nok, see:\nOSError: [Errno 28] No space left on device\nbye<|im_end|>\n")
+    s = LogScanner()
+    fatal = s.feed(quiet + tb(OOM))
+    assert [e.rule for e in fatal] == ["torch_oom"]
+    d = s.finish(ExitRecord(1))
+    assert (d.category, d.strength) == (Category.GPU_OOM, "structural")
+    assert not any(e.rule in ("no_space", "illegal_memory_access") for e in d.evidence)
+    pairwise = (b"chosen_input_ids:\n[1]\nchosen_inputs:\nx</s>\nchosen_label_ids:\n[1]\nchosen_labels:\nx</s>\n"
+                b"rejected_input_ids:\n[2]\nrejected_inputs:\nRuntimeError: CUDA error: an illegal memory access "
+                b"was encountered</s>\nrejected_label_ids:\n[2]\nrejected_labels:\ny</s>\n")
+    p = LogScanner()
+    assert [e.rule for e in p.feed(pairwise + tb(OOM))] == ["torch_oom"]
