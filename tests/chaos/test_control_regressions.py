@@ -216,7 +216,11 @@ def test_log_truncated_or_deleted_is_still_followed(chaos, how):
 
 
 # --- g. a grandchild that escapes the process group ----------------------------------------------
-def test_escaped_grandchild_keeps_the_job_and_its_gpu_held(chaos):
+@pytest.mark.parametrize("how", ["shim-alive", "daemon-and-shim-killed"])
+def test_escaped_grandchild_keeps_the_job_and_its_gpu_held(chaos, how):
+    """The grandchild setsid()s away and outlives the main process. Either the shim is there
+    (it is a subreaper) or, harsher, the daemon and the shim are kill -9ed once the main
+    process is gone and the daemon restarts: the job must stay held while the grandchild lives."""
     d = chaos.start(max_parallel=2)
     a_out, b_out = chaos.out("ga"), chaos.out("gb")
     drop(chaos.spool, "ga.yaml", exclusive_job(chaos.work, a_out, "--steps=5", "--interval=0.1", "--escape=8",
@@ -226,6 +230,11 @@ def test_escaped_grandchild_keeps_the_job_and_its_gpu_held(chaos):
     gc = int(gc_file.read_text())
     drop(chaos.spool, "gb.yaml", exclusive_job(chaos.work, b_out, "--steps=3", "--interval=0.1", name="gb", gpus=[0]))
     chaos.rec.wait(lambda: chaos.rec.state(2) is not None, 20, "job 2 accepted", d)
+    if how == "daemon-and-shim-killed":
+        chaos.rec.wait(lambda: trainings(chaos.work) == [gc], 20, "main process gone, grandchild alive")
+        d.kill9()
+        kill_all(shims(chaos.state))
+        d = chaos.restart()
     main_gone = False
     deadline = time.monotonic() + 40
     while alive(gc) and time.monotonic() < deadline:
@@ -239,5 +248,6 @@ def test_escaped_grandchild_keeps_the_job_and_its_gpu_held(chaos):
     assert main_gone, "the main process exited long before the grandchild"
     assert not (a_out / "grandchild.done").exists(), "stopped by the supervisor, not by running out its time"
     chaos.rec.wait_state(2, TERMINAL, 40, d)
+    chaos.rec.wait_state(1, TERMINAL, 40, d)  # with its shim killed, its exit status is lost: it may run again
     assert chaos.rec.state(1) == "succeeded" and chaos.rec.state(2) == "succeeded", _why(chaos) + _why(chaos, 2)
     assert trainings(chaos.work) == []
