@@ -139,3 +139,13 @@ def test_jobcomp_state_takes_the_requested_memory_and_gives_classifier_records()
     exit_rec, host = sl.records(v)
     assert host.memory_limit_bytes == 200 << 20 and host.cgroup_oom_kills == 1
     assert host.scheduler_state == "OUT_OF_MEMORY" and exit_rec.signal == "SIGKILL"
+
+
+def test_verdict_sigkill_without_memory_evidence_is_not_oom():
+    """slurm.md: a SIGKILLed batch shell reads FAILED JobLaunchFailure 0:9 (misleading reason)."""
+    v = sl.verdict(_state(state="FAILED", reason="JobLaunchFailure", exit_code=0, signal=9), "Killed\n")
+    assert v["exit"] == {"returncode": -9, "signal": "SIGKILL"} and v["host"]["cgroup_oom_kills"] == 0
+    assert not (v["interrupted"] or v["timeout"] or v["cancelled"])
+    assert "Reason=JobLaunchFailure" in v["evidence"][0]
+    assert sl.verdict(_state(state="BOOT_FAIL"), "")["interrupted"]
+    assert sl.verdict(_state(state="DEADLINE"), "")["timeout"]
