@@ -223,3 +223,22 @@ def test_query_many_is_cached_for_its_max_age(slurm, tmp_path):
     wait_terminal(sub.job_id)
     assert sl.query_many([sub.job_id], max_age_s=60)[sub.job_id].state == "PENDING"  # the cached answer
     assert sl.query_many([sub.job_id], max_age_s=0)[sub.job_id].state == "COMPLETED"
+
+
+def test_multinode_script_runs_one_task_per_node_with_llamafactory_names(slurm, tmp_path):
+    """Multi-node itself is only reasoned (one node here); the script's srun wiring is run for
+    real on a one-node allocation: NNODES=1, NODE_RANK=0, MASTER_ADDR = the first host."""
+    att = tmp_path / "multi"
+    att.mkdir()
+    log = att / "train.log"
+    code = ("import os; print('env', *[k + '=' + os.environ.get(k, '-') for k in "
+            "('NNODES', 'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'FORCE_TORCHRUN')])")
+    script = att / sl.BATCH_SCRIPT
+    script.write_text(sl.batch_script(py(code), launcher_prefix=[], nodes=2))
+    args = sl.sbatch_args(log, tmp_path, settings=sl.SlurmSettings(), request=sl.SlurmJobRequest(mem="100M"),
+                          job_name="oomsup-test-multi")
+    res = subprocess.run(["sbatch", *args, str(script)], capture_output=True, text=True, check=True, timeout=30)
+    st = wait_terminal(res.stdout.strip().split(";")[0])
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
+    assert st.state == "COMPLETED", log.read_text()
+    assert f"env NNODES=1 NODE_RANK=0 MASTER_ADDR={host} MASTER_PORT=29500 FORCE_TORCHRUN=1" in log.read_text()
