@@ -26,7 +26,7 @@ from . import proctree
 from .config import DaemonConfig
 from .diagnosis import LogScanner
 from .fsutil import atomic_write_json, atomic_write_text, read_json
-from .gpus import VramSampler
+from .gpus import VISIBILITY_VARS, VramSampler, detect_vendor, visibility_env
 from .diskfull import is_disk_full
 from .limits import CgroupSupport, JobCgroup, detect_cgroup, kernel_oom_lines, rlimits_for
 from .logfollow import LogFollower
@@ -117,6 +117,7 @@ class Runner:
         self.cgroup_support = detect_cgroup() if cfg.cgroups == "auto" else None
         self.owner_support = (detect_owner_support(self._state_tag()) if cfg.cgroups == "auto" else None)
         self._outbox: list[dict[str, Any]] = []
+        self.gpu_vendor = detect_vendor() if cfg.gpu_vendor == "auto" else cfg.gpu_vendor
         self._versions: dict[str, dict[str, str | None]] = {}
         self._specs: dict[int, jobspec_mod.JobSpec] = {}  # job.yaml never changes once accepted
         self._gpu_caps: dict[int, int] | None = None  # probed once, when a decision first needs it
@@ -131,12 +132,6 @@ class Runner:
                 text, source=job.source or "", submit_dir=Path(job.workdir), check_lf=False)
         return self._specs[job_id]
 
-    def gpus_of(self, job_id: int) -> list[int] | None:
-        try:
-            return self.spec_of(job_id).sup.gpus
-        except Exception:
-            return None
-
     def launcher_for(self, spec: jobspec_mod.JobSpec) -> list[str]:
         return list(spec.sup.launcher or self.cfg.launcher)
 
@@ -146,8 +141,9 @@ class Runner:
                                                                         if k not in ("message",)})
 
     # --- start --------------------------------------------------------------------------
-    def start(self, job: JobRow) -> Active | None:
-        """Prepare and launch the next attempt, or settle the job if it must not run."""
+    def start(self, job: JobRow, gpus: list[int] | None = None) -> Active | None:
+        """Prepare and launch the next attempt on `gpus` (the daemon's assignment; None: the
+        whole box), or settle the job if it must not run."""
         from .policy import render_attempt
 
         job = self.store.job(job.id) or job
@@ -226,7 +222,7 @@ class Runner:
                 return None
 
         tag = self.attempt_tag(job.id, number)
-        env = self._environment(spec, rendered.env)
+        env = self._environment(spec, rendered.env, gpus)
         env[MARKER_ENV] = tag
         atomic_write_json(paths.environment, {"argv": rendered.argv, "cwd": str(spec.workdir),
                                               "env": env, "set_by_attempt": rendered.env}, mode=0o600)
@@ -253,13 +249,14 @@ class Runner:
                 return None
             self.store.add_attempt(job.id, number, overrides=json.dumps(overrides.to_dict()),
                                    remedy=remedy, resumed_from=resumed_from,
-                                   resumed_from_step=resumed_step)
+                                   resumed_from_step=resumed_step,
+                                   gpus=json.dumps(gpus) if gpus is not None else None)
             self.store.transition(job.id, JobState.RUNNING,
                                   f"attempt {number} started" + (f" (remedy: {remedy})" if overrides.rungs else "")
                                   + (f", resuming from {resumed_from}" if resumed_from else ""),
                                   not_before=None)
         act_args = dict(job_id=job.id, number=number, paths=paths, scanner=LogScanner(initial_step=resumed_step),
-                        spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
+                        spec=spec, gpus=gpus, output_dir=output_dir,
                         hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
                         last_step=resumed_step, progress_offset=progress_offset)
         if self.store.job(job.id).cancel_requested:
@@ -289,8 +286,13 @@ class Runner:
                     pid=handle.pid, changes=changes, memory_limit=spec.sup.host_memory_limit,
                     limit_mechanism=mechanism, ownership=owner.mechanism)
         act = Active(handle=handle, **act_args)
-        act.vram = VramSampler(spec.sup.gpus, pids=lambda: [p.pid for p in handle.processes()]).start()
+        act.vram = VramSampler(gpus, pids=lambda: [p.pid for p in handle.processes()]).start()
         return act
+
+    def refuse(self, job: JobRow, reason: str) -> None:
+        """A job that can never run here (nothing of it was started)."""
+        self.store.transition(job.id, JobState.RUNNING, "preparing attempt")
+        self._fail(job.id, reason)
 
     def _abandon_before_prepare(self, job: JobRow) -> None:
         """A cancel recorded before we began (durable intent): settle it, run nothing, fix nothing up."""
@@ -368,14 +370,18 @@ class Runner:
         cfg = yaml.safe_load(path.read_text())
         return validate_config(cfg, workdir=spec.workdir)
 
-    def _environment(self, spec: jobspec_mod.JobSpec, attempt_env: dict[str, str]) -> dict[str, str]:
+    def _environment(self, spec: jobspec_mod.JobSpec, attempt_env: dict[str, str],
+                     gpus: list[int] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROP_PREFIXES)}
         env.update(self.cfg.env)
         env.update(spec.sup.env)
-        if spec.sup.gpus is not None:
-            ids = ",".join(str(g) for g in spec.sup.gpus)
-            for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
-                env[name] = ids
+        if gpus is None and spec.sup.gpus is not None:
+            gpus = list(spec.sup.gpus)
+        if gpus is not None:
+            env.update(visibility_env(gpus, self.gpu_vendor))
+            for name in VISIBILITY_VARS:
+                if name not in visibility_env(gpus, self.gpu_vendor):
+                    env.pop(name, None)  # one filter only: ROCR then HIP would index twice
         env.update(attempt_env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
@@ -818,12 +824,13 @@ class Runner:
             self._gpu_caps = probe_capacities()
         return self._gpu_caps
 
-    def _launch_fields(self, spec) -> dict[str, Any]:
-        """The world size the launch really has (pinned ranks, `gpus:`, else every visible GPU)."""
+    def _launch_fields(self, spec, gpus: list[int] | None = None) -> dict[str, Any]:
+        """The world size the launch really has (pinned ranks, its GPUs, else every visible GPU)."""
         from .llamafactory.launch import launch_fields
 
-        env = self._environment(spec, {})
-        return launch_fields(nproc_per_node=spec.sup.nproc_per_node, gpus=spec.sup.gpus, env=env,
+        gpus = gpus if gpus is not None else (list(spec.sup.gpus) if spec.sup.gpus else None)
+        env = self._environment(spec, {}, gpus)
+        return launch_fields(nproc_per_node=spec.sup.nproc_per_node or spec.sup.gpu_count, gpus=gpus, env=env,
                              probed_gpus=len(self._gpu_capacities()))
 
     def launched_world_size(self, spec) -> int:
@@ -900,9 +907,10 @@ class Runner:
             if p is not None:
                 handle.pid, handle.create_time = p.pid, p.create_time()
         output_dir = spec.resolve(spec.config["output_dir"]) if spec.config.get("output_dir") else None
+        assigned = attempt.json("gpus") if attempt.gpus else (list(spec.sup.gpus) if spec.sup.gpus else None)
         act = Active(job_id=job.id, number=attempt.number, paths=paths, handle=handle,
                      scanner=LogScanner(initial_step=attempt.resumed_from_step),
-                     spec=spec, gpus=spec.sup.gpus, output_dir=output_dir,
+                     spec=spec, gpus=assigned, output_dir=output_dir,
                      hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
                      last_step=attempt.resumed_from_step)
         alive = handle.alive()

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=Path)
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="wait up to SECONDS for the daemon to accept it and print the job id")
+    p.add_argument("--after", type=int, action="append", default=[], metavar="JOB",
+                   help="start only once job JOB has succeeded (repeatable)")
 
     p = sub.add_parser("status", help="one line per job")
     _common(p)
@@ -148,6 +150,10 @@ def cmd_submit(args) -> int:
         print(f"oom-supervisor: {shown}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
+        if args.after:
+            from .spool import with_after
+
+            text = with_after(text, args.after)
         dest = submit(cfg.spool, text, name=Path(args.file).name, cwd=Path.cwd(),
                       policy_dirs=cfg.policy_search_dirs())
     except JobFileError as err:

@@ -143,6 +143,10 @@ class DaemonConfig(BaseModel):
     # How long the next attempt on the same GPUs waits for the previous one's VRAM to be given back
     # (drivers free a dead process's memory late); 0 turns the wait off.
     vram_release_timeout: float = Field(default=60.0, ge=0)
+    # The box's GPUs for jobs that ask for a count (`gpus: N`): probed when omitted (sysfs,
+    # nvidia-smi, rocm-smi); a list here names them (also a stand-in for tests).
+    gpu_devices: list[int] | None = None
+    gpu_vendor: str = "auto"
 
     @field_validator("max_log_bytes", mode="before")
     @classmethod
@@ -160,6 +164,13 @@ class DaemonConfig(BaseModel):
     def _restart(cls, v: str) -> str:
         if v not in ("adopt", "stop"):
             raise ValueError("must be 'adopt' (keep following a still-running attempt) or 'stop'")
+        return v
+
+    @field_validator("gpu_vendor")
+    @classmethod
+    def _vendor(cls, v: str) -> str:
+        if v not in ("auto", "amd", "nvidia", "unknown"):
+            raise ValueError("must be auto, amd, nvidia or unknown")
         return v
 
     @field_validator("cgroups")

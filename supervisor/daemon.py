@@ -85,6 +85,7 @@ class Daemon:
     disk_full: str | None = None  # why the state folder cannot be written, while it cannot
     finish_failures: dict[int, int] = field(default_factory=dict)
     vram_waits: dict[int, Any] = field(default_factory=dict)
+    said_blocked: set = field(default_factory=set)
     last_tick_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -334,15 +335,72 @@ class Daemon:
         for job in runnable:
             if len(self.active) >= self.cfg.max_parallel:
                 break
-            if not self._gpus_free(job) or not self._vram_released(job):
+            if not job.cancel_requested and not self._dependencies_met(job):
                 continue
-            act = self._per_job(job.id, "start an attempt", self.runner.start, job)
+            ok, gpus = self._assign(job)
+            if not ok or not self._vram_released(job, gpus):
+                continue
+            act = self._per_job(job.id, "start an attempt", self.runner.start, job, gpus)
             if act is not None:
                 self.active[job.id] = act
 
-    def _vram_released(self, job: JobRow) -> bool:
-        """A job's next attempt waits (bounded, in a worker thread: GPU tools can hang) until the
-        memory of its previous attempt is given back on its GPUs; then it starts, said either way."""
+    def _dependencies_met(self, job: JobRow) -> bool:
+        """`after:` jobs must have succeeded; one that failed or was cancelled is said once."""
+        try:
+            after = self.runner.spec_of(job.id).sup.after
+        except Exception:
+            return True  # start() reports the unreadable job file
+        for dep in after:
+            other = self.store.job(dep)
+            if other is not None and other.state == JobState.SUCCEEDED:
+                continue
+            if other is None or other.state in (JobState.FAILED, JobState.CANCELLED):
+                key = (job.id, dep, other.state if other else None)
+                if key not in self.said_blocked:
+                    self.said_blocked.add(key)
+                    what = f"is {other.state}" if other else "does not exist"
+                    self.store.event(job.id, "waiting_for_dependency",
+                                     f"job {job.id} runs after job {dep}, which {what}: retry job {dep}, "
+                                     f"or cancel job {job.id}")
+            return False
+        return True
+
+    def _assign(self, job: JobRow) -> tuple[bool, list[int] | None]:
+        """(may start now, the GPUs it gets). A job naming GPUs gets those when none is taken; one
+        asking for N gets the lowest N free ones of the box; one with neither takes the whole box
+        and runs alone (as LLaMA-Factory then uses every visible GPU)."""
+        if job.cancel_requested:
+            return True, None  # start() settles it without running anything
+        try:
+            sup = self.runner.spec_of(job.id).sup
+        except Exception:
+            return True, None
+        taken: set[int] = set()
+        for act in self.active.values():
+            if act.gpus is None:
+                return False, None  # something holds the whole box
+            taken |= set(act.gpus)
+        if sup.gpus is not None:
+            return not (set(sup.gpus) & taken), list(sup.gpus)
+        if sup.gpu_count:
+            inventory = self._inventory()
+            if sup.gpu_count > len(inventory):
+                self._per_job(job.id, "assign GPUs", self.runner.refuse, job,
+                              f"asks for {sup.gpu_count} GPUs; this box has {len(inventory)} "
+                              f"({inventory or 'none found'}): lower `gpus:` or run it elsewhere")
+                return False, None
+            free = [d for d in inventory if d not in taken]
+            return (len(free) >= sup.gpu_count), free[:sup.gpu_count]
+        return not self.active, None
+
+    def _inventory(self) -> list[int]:
+        if self.cfg.gpu_devices is not None:
+            return sorted(self.cfg.gpu_devices)
+        return sorted(self.runner._gpu_capacities())
+
+    def _vram_released(self, job: JobRow, gpus: list[int] | None) -> bool:
+        """A job's attempt waits (bounded, in a worker thread: GPU tools can hang) until the memory
+        of the attempt that ran on its GPUs before is given back; then it starts, said either way."""
         last = self.store.last_attempt(job.id)
         if last is None or job.cancel_requested or self.cfg.vram_release_timeout <= 0:
             return True
@@ -350,7 +408,6 @@ class Daemon:
         if fut is None:
             from .gpus import wait_vram_released
 
-            gpus = self.runner.gpus_of(job.id)
             self.vram_waits[job.id] = self._pool().submit(wait_vram_released, gpus, self.cfg.vram_release_timeout)
             return False
         if not fut.done():
@@ -374,15 +431,6 @@ class Daemon:
 
             self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vram-wait")
         return self._executor
-
-    def _gpus_free(self, job: JobRow) -> bool:
-        """A job without `gpus:` may use every GPU: it runs alone, as does anything beside it."""
-        want = self.runner.gpus_of(job.id)
-        for act in self.active.values():
-            have = act.gpus
-            if want is None or have is None or set(want) & set(have):
-                return False
-        return True
 
     # --- crash recovery ----------------------------------------------------------------
     def recover(self) -> None:

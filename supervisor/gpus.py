@@ -320,3 +320,33 @@ def wait_vram_released(devices: list[int] | None, timeout: float, *, threshold: 
             return Release(False, waited, used, f"VRAM still in use after {waited:.0f}s ({what}; {reading.source}); "
                                                 "starting anyway")
         time.sleep(min(poll, max(0.0, timeout - waited)))
+
+
+# --- which devices an attempt sees -----------------------------------------------------------------
+
+VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def detect_vendor(dev: Path = Path("/dev")) -> str:
+    """"amd" (ROCm's /dev/kfd), "nvidia" (/dev/nvidiactl), else "unknown"."""
+    if (dev / "kfd").exists():
+        return "amd"
+    if (dev / "nvidiactl").exists():
+        return "nvidia"
+    return "unknown"
+
+
+def visibility_env(gpus: list[int], vendor: str) -> dict[str, str]:
+    """The variables that restrict a process to `gpus`, as its vendor reads them.
+
+    ROCm filters in layers (ROCR_VISIBLE_DEVICES first, then HIP_VISIBLE_DEVICES indexes
+    into what is left), so AMD gets ROCR only and the others are removed by the caller;
+    NVIDIA reads CUDA_VISIBLE_DEVICES; unknown gets CUDA and HIP with the same list (HIP
+    also honours CUDA_VISIBLE_DEVICES), as before.
+    """
+    ids = ",".join(str(g) for g in gpus)
+    if vendor == "amd":
+        return {"ROCR_VISIBLE_DEVICES": ids}
+    if vendor == "nvidia":
+        return {"CUDA_VISIBLE_DEVICES": ids}
+    return {"CUDA_VISIBLE_DEVICES": ids, "HIP_VISIBLE_DEVICES": ids}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .models import Problem
 
@@ -109,9 +109,13 @@ class SupervisorBlock(BaseModel):
     name: str | None = Field(default=None, min_length=1, max_length=200)
     policy: str | None = None
     workdir: str | None = Field(default=None, max_length=4096)
-    # Omit the key for "any GPU"; a list names the GPUs the job owns (disjoint from other jobs').
+    # Omit the key for "the whole box"; a list names the GPUs the job owns (disjoint from other
+    # jobs'); `gpus: N` asks the daemon for any N free GPUs (moved to `gpu_count` on parsing).
     gpus: list[Annotated[int, Field(ge=0, lt=MAX_GPUS)]] | None = Field(default=None, min_length=1,
                                                                         max_length=MAX_GPUS)
+    gpu_count: int | None = Field(default=None, ge=1, le=MAX_GPUS)
+    # Jobs (ids) that must have succeeded before this one starts (`submit --after JOB`).
+    after: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, max_length=100)
     nproc_per_node: int | None = Field(default=None, ge=1, le=MAX_GPUS)
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # SQLite INTEGER is 64-bit
     max_attempts: int | None = Field(default=None, ge=1, le=100)
@@ -135,6 +139,18 @@ class SupervisorBlock(BaseModel):
     @classmethod
     def _size(cls, v: Any) -> Any:
         return None if v is None else parse_size(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_count(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "gpus" in data:
+            v = data["gpus"]
+            if isinstance(v, int) and not isinstance(v, bool):
+                if "gpu_count" in data:
+                    raise ValueError("gives both `gpus: N` and `gpu_count`; use one")
+                data = {**data, "gpu_count": v}
+                del data["gpus"]
+        return data
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -211,6 +227,8 @@ class JobSpec:
     def world_size(self) -> int:
         if self.sup.nproc_per_node:
             return self.sup.nproc_per_node
+        if self.sup.gpu_count:
+            return self.sup.gpu_count
         return max(1, len(self.sup.gpus)) if self.sup.gpus else 1
 
     def resolve(self, p: str | Path) -> Path:

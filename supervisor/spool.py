@@ -403,24 +403,40 @@ def prune_rejected(spool: SpoolPaths, *, keep: int = KEEP_REJECTED, max_age_s: f
 
 def with_workdir(text: str, workdir: Path) -> str:
     """Record where `submit` ran, keeping the user's text (and comments) where possible."""
+    return with_supervisor_key(text, "workdir", str(workdir), keep_existing=True)
+
+
+def with_after(text: str, job_ids: Sequence[int]) -> str:
+    """`submit --after JOB`: the job starts only once those jobs have succeeded."""
+    data, _ = load_yaml_with_lines(text)
+    sup = data.get("supervisor") if isinstance(data, dict) else None
+    have = list(sup.get("after") or []) if isinstance(sup, dict) and isinstance(sup.get("after"), list) else []
+    merged = have + [j for j in job_ids if j not in have]
+    return with_supervisor_key(text, "after", merged, keep_existing=False)
+
+
+def with_supervisor_key(text: str, key: str, value, *, keep_existing: bool) -> str:
+    """Set `supervisor.<key>`, inserting one line where the block's layout allows (comments kept)."""
     data, lines = load_yaml_with_lines(text)
     sup = data.get("supervisor")
-    if sup is not None and isinstance(sup, dict) and "workdir" in sup:
+    if sup is not None and isinstance(sup, dict) and key in sup and keep_existing:
         return text
-    quoted = yaml.safe_dump(str(workdir), default_style='"').strip().splitlines()[0]
+    quoted = yaml.safe_dump(value, default_flow_style=True, default_style='"' if isinstance(value, str) else None
+                            ).strip().splitlines()[0].removesuffix("...").strip()
     if sup is None:
         sep = "" if text.endswith("\n") or not text else "\n"
-        return f"{text}{sep}supervisor:\n  workdir: {quoted}\n"
+        return f"{text}{sep}supervisor:\n  {key}: {quoted}\n"
     src = text.splitlines(keepends=True)
     line_no = lines.get("supervisor")
     child_lines = [v for k, v in lines.items() if k.startswith("supervisor.") and k.count(".") == 1]
-    if isinstance(sup, dict) and line_no and src[line_no - 1].rstrip().endswith("supervisor:") and child_lines:
+    if (isinstance(sup, dict) and key not in sup and line_no and src[line_no - 1].rstrip().endswith("supervisor:")
+            and child_lines):
         first = src[min(child_lines) - 1]
         indent = first[: len(first) - len(first.lstrip())]
-        src.insert(line_no, f"{indent}workdir: {quoted}\n")
+        src.insert(line_no, f"{indent}{key}: {quoted}\n")
         return "".join(src)
     data = dict(data)
-    data["supervisor"] = {**(sup or {}), "workdir": str(workdir)}
+    data["supervisor"] = {**(sup or {}), key: value}
     return yaml.safe_dump(data, sort_keys=False)
 
 

@@ -77,6 +77,11 @@ MIGRATIONS: list[str] = [
     CREATE INDEX events_job ON events(job_id, id);
     CREATE INDEX jobs_state ON jobs(state);
     """,
+    # 2: the GPUs the daemon assigned to an attempt (JSON list; NULL: the whole box), so a
+    # restarted daemon knows which devices a still-running attempt holds.
+    """
+    ALTER TABLE attempts ADD COLUMN gpus TEXT;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -130,6 +135,7 @@ class AttemptRow:
     steps_per_s: float | None
     tokens_per_s: float | None
     interrupted: int
+    gpus: str | None = None
 
     @classmethod
     def from_row(cls, r: sqlite3.Row) -> AttemptRow:

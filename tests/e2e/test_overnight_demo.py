@@ -86,7 +86,7 @@ def check_night(d: DaemonProc, job: dict, *, mechanism: str) -> None:
 
 def test_overnight_run_survives_a_real_oom_rlimit(tmp_path):
     d, job = run_demo(tmp_path, cgroups="off", limit=DEMO_RLIMIT)
-    check_night(d, job, mechanism="rlimit-data")
+    check_night(d, job, mechanism="rlimit-data+sampled-sum")
 
 
 @pytest.mark.skipif(detect_cgroup() is None, reason="no writable cgroup memory controller (needs root)")
