@@ -67,7 +67,7 @@ from supervisor.models import (
     Overrides,
     Phase,
 )
-from supervisor.policy import BUILTIN_POLICY_DIR, decide, load_policy
+from supervisor.policy import BUILTIN_POLICY_DIR, decide, learn, load_policy
 from supervisor.policy.estimate import shape_from_config
 from supervisor.policy.rungs import view_of
 
@@ -285,7 +285,7 @@ def refused_pair(case: Case, ov: Overrides, ctx: JobContext) -> str | None:
     return "; ".join(bad) or None
 
 
-def run_case(case: Case, policy) -> dict:
+def context_of(case: Case) -> JobContext:
     shape = shape_from_config(MODELS[case.model])
     config = {"model_name_or_path": f"/models/{case.model}", "stage": "sft", "finetuning_type": case.finetuning,
               "per_device_train_batch_size": case.micro, "gradient_accumulation_steps": case.accum,
@@ -300,9 +300,17 @@ def run_case(case: Case, policy) -> dict:
                                                         "vocab_size": shape.vocab_size},
                      torch_version="2.14.1", transformers_version="5.6.0",
                      deepspeed_config=user_deepspeed(case), visible_gpu_count=case.world)
+    return ctx
+
+
+def run_case(case: Case, policy, start: Overrides | None = None) -> dict:
+    """Climb from `start` (the job as submitted by default) until a configuration fits;
+    `trail` keeps every attempt (overrides, diagnosis or None when it fit, simulated config)."""
+    ctx = context_of(case)
     history: list[AttemptRecord] = []
-    ov = Overrides()
+    ov = start or Overrides()
     rungs: list[str] = []
+    trail: list[tuple[Overrides, Diagnosis | None, Config]] = []
     for n in range(1, 20):
         cfg = config_of(case, ov, ctx)
         launched = int(ov.env.get("NPROC_PER_NODE", case.world))
@@ -317,11 +325,12 @@ def run_case(case: Case, policy) -> dict:
             ok = False
         else:
             ok, diag = fits(case, cfg, held)
+        trail.append((ov, None if ok else diag, cfg))
         if ok:
             # Attempts the other process's memory made fail are not the policy's failures.
             failed = max(0, n - 1 - case.foreign_attempts) if case.foreign_attempts else n - 2
             return {"fit": True, "failed_escalations": failed, "config": cfg, "rungs": rungs,
-                    "changed": bool(ov.rungs)}
+                    "changed": bool(ov.rungs), "trail": trail, "first_fit": n == 1}
         history.append(AttemptRecord(n, ov, diag, ExitRecord(1)))
         d = decide(ctx, history, diag, policy)
         if d.kind == DecisionKind.RETRY:
@@ -401,6 +410,83 @@ def summarise(scenario: str, policy) -> tuple[dict, list[dict]]:
     return summary, results
 
 
+SIM_HOST_BASE = 2 * GiB  # host RSS of a simulated process besides offloaded states
+
+
+def observations_of(case: Case, trail) -> list:
+    """What the observation store would hold after one night of `case` (learn.observation on the
+    simulator's truth: a fit's true peak, an OOM's diagnosis and the box's RAM)."""
+    ctx = context_of(case)
+    out = []
+    for n, (ov, diag, cfg) in enumerate(trail, 1):
+        peak, host, _, _ = true_memory(case, cfg)
+        gpu = None if diag is not None else learn.GpuPeak(peak, peak, case.gpu_gib * GiB, "sim", 1)
+        o = learn.observation(ctx, ov, diag, succeeded=diag is None, peak=gpu,
+                              peak_rss_bytes=case.host_ram if diag is not None and diag.category == Category.HOST_OOM
+                              else host + SIM_HOST_BASE, job="sim", attempt=n, time=float(n))
+        if o is not None:
+            out.append(o)
+    return out
+
+
+def _source(case: Case, how: str) -> Case | None:
+    """The earlier run a job learns from: itself, the same model at another cutoff_len, or the
+    nearest model size with the same vocabulary (a sibling)."""
+    import dataclasses
+
+    if how == "same_job":
+        return case
+    if how == "other_seq":
+        i = SEQ_LENS.index(case.seq)
+        return dataclasses.replace(case, seq=SEQ_LENS[i - 1] if i else SEQ_LENS[1])
+    names = list(MODELS)
+    vocab = MODELS[case.model]["vocab_size"]
+    sibs = [m for m in names if m != case.model and MODELS[m]["vocab_size"] == vocab]
+    if not sibs:
+        return None
+    near = min(sibs, key=lambda m: abs(names.index(m) - names.index(case.model)))
+    return dataclasses.replace(case, model=near)
+
+
+def learned_figures(policy, scenario: str = "base") -> dict:
+    """First-attempt fit and cost (best feasible throughput / the configuration the job ends
+    at, >= 1) without observations and after one night of a job of the same kind."""
+    out: dict = {}
+    cases = [c for c in cases_for(scenario) if best_feasible(c) is not None]
+    without_fit, without_cost = [], []
+    for case in cases:
+        best = best_feasible(case)[1]
+        r = run_case(case, policy)
+        without_fit.append(r.get("first_fit", False))
+        if r["fit"]:
+            without_cost.append(best / throughput(case, r["config"]))
+    out["without"] = {"cases": len(cases), "first_attempt_fit": round(sum(without_fit) / len(cases), 3),
+                      "cost_median": round(statistics.median(without_cost), 3),
+                      "cost_p90": round(pct(without_cost, 0.9), 3)}
+    for how in ("same_job", "other_seq", "sibling"):
+        fit, cost, n, reasons = [], [], 0, []
+        for case in cases:
+            src = _source(case, how)
+            if src is None:
+                continue
+            night1 = run_case(src, policy)
+            obs = observations_of(src, night1.get("trail", []))
+            if not obs:
+                continue
+            n += 1
+            start, why = learn.initial_overrides(context_of(case), policy, obs)
+            r = run_case(case, policy, start)
+            fit.append(bool(r.get("first_fit")))
+            if r["fit"]:
+                cost.append(best_feasible(case)[1] / throughput(case, r["config"]))
+            if not r.get("first_fit") and len(reasons) < 2:
+                reasons.append(f"{_label(case)}: {why}")
+        out[how] = {"cases": n, "first_attempt_fit": round(sum(fit) / n, 3) if n else None,
+                    "cost_median": round(statistics.median(cost), 3) if cost else None,
+                    "cost_p90": round(pct(cost, 0.9), 3) if cost else None, "missed": reasons}
+    return out
+
+
 def _label(c: Case) -> str:
     return f"{c.model} seq {c.seq} {c.gpu_gib} GiB {c.finetuning} gc={c.gc_on} frag={c.fragmented}"
 
@@ -411,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-shape", action="store_true", help="withhold the model shape from the policy")
     ap.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    ap.add_argument("--learned", action="store_true",
+                    help="also: first-attempt fit and cost without / with learned observations")
     args = ap.parse_args(argv)
     global NO_SHAPE
     NO_SHAPE = args.no_shape
@@ -437,8 +525,20 @@ def main(argv: list[str] | None = None) -> int:
         for r in missed[:3]:
             print(f"  GAVE UP: {_label(r['case'])}: {r['reason'][:300]}")
         print()
+    if args.learned:
+        for name in names:
+            fig = learned_figures(policy, name)
+            out[f"{name}_learned"] = fig
+            if args.json:
+                continue
+            print(f"=== {name}: learned plans (cost = best feasible throughput / the job's final configuration's)")
+            for how, f in fig.items():
+                print(f"{how:>10}: " + ", ".join(f"{k} {v}" for k, v in f.items() if k != "missed"))
+                for m in f.get("missed", []):
+                    print(f"{'':>12}missed: {m[:400]}")
+            print()
     if args.json:
-        print(json.dumps(out if len(names) > 1 else out[names[0]], indent=2))
+        print(json.dumps(out if len(out) > 1 else out[names[0]], indent=2))
     return 0
 
 

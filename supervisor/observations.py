@@ -1,0 +1,132 @@
+"""What finished attempts really used, kept for learned plans (`<state>/observations.sqlite3`).
+
+A file of its own, not the job record: it is a bounded cache (MAX_ROWS, oldest dropped), may
+be deleted at any time without losing a job, and is written after the verdict's transaction
+so a failure here never touches a verdict. The pure part (record, key, correction, choice)
+is `supervisor.policy.learn`; this module only stores, reads and queries.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+
+from .models import Diagnosis, JobContext, Overrides
+from .policy.learn import GpuPeak, Observation, memory_key, observation, parse_peak_file
+
+FILE_NAME = "observations.sqlite3"
+MAX_ROWS = 10_000
+QUERY_LIMIT = 2_000  # newest rows of the job's GPU/world/finetuning kind considered per query
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS observations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    job TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    outcome TEXT NOT NULL,
+    finetuning_type TEXT,
+    gpu_capacity INTEGER,
+    world_size INTEGER,
+    body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS observations_kind ON observations (finetuning_type, gpu_capacity, world_size, id);
+"""
+
+
+def read_peak_file(path: str | Path) -> GpuPeak | None:
+    """The hook's peak GPU file (absent, unreadable or empty: None, as on a CPU run)."""
+    try:
+        return parse_peak_file(json.loads(Path(path).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+class ObservationStore:
+    """A small SQLite table; one short transaction per call (WAL, like the record)."""
+
+    def __init__(self, path: str | Path, *, max_rows: int = MAX_ROWS) -> None:
+        self.path = Path(path)
+        self.max_rows = max_rows
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), timeout=10, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+
+    @classmethod
+    def in_state(cls, state_root: str | Path) -> ObservationStore:
+        return cls(Path(state_root) / FILE_NAME)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> ObservationStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add(self, obs: Observation) -> int:
+        """Store one observation; drop the oldest beyond max_rows. Returns its row id."""
+        k = obs.key
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            cur = self._db.execute(
+                "INSERT INTO observations (time, job, attempt, outcome, finetuning_type, gpu_capacity, world_size,"
+                " body) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (obs.time, obs.job, obs.attempt, obs.outcome, k.get("finetuning_type"), k.get("gpu_capacity"),
+                 k.get("world_size"), json.dumps(obs.to_dict(), sort_keys=True, default=str)))
+            self._db.execute("DELETE FROM observations WHERE id <= (SELECT max(id) FROM observations) - ?",
+                             (self.max_rows,))
+        return int(cur.lastrowid or 0)
+
+    def count(self) -> int:
+        return int(self._db.execute("SELECT count(*) FROM observations").fetchone()[0])
+
+    def all(self) -> list[Observation]:
+        return [Observation.from_dict(json.loads(b))
+                for (b,) in self._db.execute("SELECT body FROM observations ORDER BY id")]
+
+    def similar(self, ctx: JobContext) -> list[Observation]:
+        """Observations that may bear on `ctx` (same fine-tuning type, GPU capacity and world
+        size: the fields every tier of learn.tier() shares), oldest first."""
+        key = memory_key(ctx, Overrides())
+        rows = self._db.execute(
+            "SELECT body FROM observations WHERE finetuning_type IS ? AND gpu_capacity IS ? AND world_size IS ?"
+            " ORDER BY id DESC LIMIT ?",
+            (key["finetuning_type"], key["gpu_capacity"], key["world_size"], QUERY_LIMIT)).fetchall()
+        out = []
+        for (body,) in reversed(rows):
+            try:
+                out.append(Observation.from_dict(json.loads(body)))
+            except (ValueError, TypeError):
+                continue  # a row another version wrote: skip, never fail a job on the cache
+        return out
+
+
+def record_attempt(store: ObservationStore, ctx: JobContext, ov: Overrides, diagnosis: Diagnosis | None, *,
+                   succeeded: bool, max_step: int | None, resumed_from_step: int | None,
+                   peak_file: str | Path | None, peak_rss_bytes: int | None, memory_limit_bytes: int | None,
+                   deepspeed_version: str | None = None, job: str = "", attempt: int = 0,
+                   time: float = 0.0) -> Observation | None:
+    """Build (learn.observation) and store one finished attempt's record; None when it says
+    nothing about memory. Call it after the verdict's transaction."""
+    peak = read_peak_file(peak_file) if peak_file else None
+    obs = observation(ctx, ov, diagnosis, succeeded=succeeded, max_step=max_step,
+                      resumed_from_step=resumed_from_step, peak=peak, peak_rss_bytes=peak_rss_bytes,
+                      memory_limit_bytes=memory_limit_bytes, deepspeed_version=deepspeed_version,
+                      job=job, attempt=attempt, time=time)
+    if obs is not None:
+        store.add(obs)
+    return obs
+
+
+def load_for(state_root: str | Path, ctx: JobContext) -> Sequence[Observation]:
+    """The observations for `ctx` from a state folder; none when the file does not exist yet."""
+    path = Path(state_root) / FILE_NAME
+    if not path.exists():
+        return []
+    with ObservationStore(path) as store:
+        return store.similar(ctx)
