@@ -1,0 +1,164 @@
+"""The pure part of learned plans: record, key, correction, choice, refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from supervisor.models import Overrides
+from supervisor.policy import learn as L
+from supervisor.policy import rungs as R
+
+from .builders import (
+    GiB,
+    PARAMS,
+    SHAPE,
+    POLICY,
+    cpu_job,
+    demo_night,
+    fit_gpu,
+    gpu_job,
+    gpu_oom,
+    host_oom,
+    split,
+)
+
+
+def test_nothing_known_starts_as_submitted_without_a_reason():
+    assert L.initial_overrides(gpu_job(), POLICY, []) == (Overrides(), None)
+    # Observations of an unrelated kind (another GPU) say nothing either.
+    other = fit_gpu(gpu_job(cap_gib=80), Overrides(), 10 * GiB)
+    assert L.initial_overrides(gpu_job(), POLICY, [other]) == (Overrides(), None)
+
+
+def test_demo_resubmitted_starts_where_it_fit_with_the_reason():
+    ctx = cpu_job()
+    ov, reason = L.initial_overrides(ctx, POLICY, demo_night(ctx))
+    v = R.view_of(ctx, ov)
+    assert (v.micro, v.accum) == (4, 4)
+    assert ov == split(ctx, 4)  # the micro_batch rung's own overrides: effective batch kept
+    assert reason == ("learned: 3 attempts of this kind on this box: micro-batch 16 and 8 ran out of host memory, "
+                      "4x4 fit (peak 1.32 GiB of 1.91 GiB); starting at 4x4 (observed to fit)")
+
+
+def test_observation_key_and_outcomes():
+    ctx = gpu_job(micro=8, accum=2)
+    cap = ctx.gpu_capacity_bytes
+    o = L.observation(ctx, Overrides(), gpu_oom(cap, 23 * GiB, 2 * GiB), succeeded=False)
+    assert o.outcome == "gpu_oom" and o.gpu_peak == 25 * GiB  # in use + the failed request: a lower bound
+    assert o.key["micro_batch"] == 8 and o.key["grad_accum"] == 2 and o.key["gpu_capacity"] == cap
+    assert o.key["hidden_size"] == 896 and o.key["torch"] == "2.9.1" and o.key["grad_checkpointing"] == "on"
+    assert L.observation(ctx, Overrides(), host_oom(), succeeded=False, memory_limit_bytes=GiB).host_peak == GiB
+    # Trained past its start without an OOM: a fit, even though it ended otherwise later.
+    peak = L.GpuPeak(20 * GiB, 18 * GiB, cap, "H200", 1)
+    assert L.observation(ctx, Overrides(), None, succeeded=False, max_step=40, resumed_from_step=10,
+                         peak=peak).outcome == "fit"
+    # No step, no OOM (a config error at start): nothing to learn; a GPU fit without its peak neither.
+    assert L.observation(ctx, Overrides(), None, succeeded=False, max_step=10, resumed_from_step=10) is None
+    assert L.observation(ctx, Overrides(), None, succeeded=True) is None
+    # Unknown model shape: no key to learn under.
+    assert L.observation(dataclasses.replace(ctx, model_shape=None), Overrides(), None, succeeded=True,
+                         peak=peak) is None
+
+
+def test_correction_lowers_an_over_prediction_and_starts_higher():
+    """The estimator over-predicts; a fit observed at 60% of its prediction lets the next run keep
+    a larger micro-batch than the estimator alone would allow."""
+    ctx = gpu_job(micro=16)
+    pred = {m: L.predict_gpu(ctx, split(ctx, m)) for m in (16, 8, 4)}
+    limit = ctx.gpu_capacity_bytes * (1 - POLICY.fit_headroom)
+    assert pred[8] > limit  # the estimator alone: 8 would not fit
+    obs = [fit_gpu(ctx, split(ctx, 4), int(0.6 * pred[4]))]
+    c = L.correction(L.memory_key(ctx, Overrides()), obs, "gpu")
+    assert abs(c.k - 0.6) < 1e-3 and c.tier == "same_kind"
+    ov, reason = L.initial_overrides(ctx, POLICY, obs)
+    chosen = R.view_of(ctx, ov).micro
+    assert 0.6 * pred[chosen] * 1.05 <= limit and chosen >= 8
+    assert "estimator x0.60, margin 5%" in reason
+
+
+def test_oom_raises_the_correction():
+    ctx = gpu_job(micro=16)
+    pred4 = L.predict_gpu(ctx, split(ctx, 4))
+    pred8 = L.predict_gpu(ctx, split(ctx, 8))
+    cap = ctx.gpu_capacity_bytes
+    obs = [fit_gpu(ctx, split(ctx, 4), int(0.5 * pred4)),
+           L.observation(ctx, split(ctx, 8), gpu_oom(cap, cap - GiB // 4, int(0.1 * pred8)), succeeded=False)]
+    c = L.correction(L.memory_key(ctx, Overrides()), obs, "gpu")
+    assert c.bounded_by_oom and c.k > 0.5
+    ov, _ = L.initial_overrides(ctx, POLICY, obs)
+    assert R.view_of(ctx, ov).micro != 8  # the configuration that ran out is never the start
+
+
+def test_other_sequence_length_and_sibling_scale_by_the_estimator():
+    short = gpu_job(cutoff=1024)
+    obs = [fit_gpu(short, split(short, 4), int(0.8 * L.predict_gpu(short, split(short, 4))))]
+    long = gpu_job(cutoff=4096)
+    c = L.correction(L.memory_key(long, Overrides()), obs, "gpu")
+    assert c.tier == "other_seq" and abs(c.k - 0.8) < 1e-3
+    _, reason = L.initial_overrides(long, POLICY, obs)
+    assert reason.startswith("learned: 1 attempt of the same model at another cutoff_len") and "margin 10%" in reason
+    big = gpu_job(params=2 * PARAMS, shape={**SHAPE,
+                                                 "num_layers": 48})
+    assert L.correction(L.memory_key(big, Overrides()), obs, "gpu").tier == "sibling"
+    other_vocab = gpu_job(shape={"hidden_size": 896, "num_layers": 24, "vocab_size": 32000})
+    assert L.correction(L.memory_key(other_vocab, Overrides()), obs, "gpu").tier is None
+
+
+def test_user_config_known_to_fit_is_never_changed():
+    ctx = gpu_job(micro=4, accum=4)
+    obs = [fit_gpu(ctx, Overrides(), 20 * GiB)]
+    ov, reason = L.initial_overrides(ctx, POLICY, obs)
+    assert ov == Overrides() and "starting at the job as submitted (observed to fit)" in reason
+
+
+def test_infeasible_refuses_with_numbers_and_passes_what_fits():
+    # A 70B-sized full fine-tune on one 24 GiB GPU with 64 GiB of host RAM: nothing reachable fits.
+    huge = dataclasses.replace(gpu_job(params=70_000_000_000, shape={"hidden_size": 8192, "num_layers": 80,
+                                                                     "vocab_size": 128256}),
+                               largest_layer_params=1_050_000_000, host_ram_bytes=64 * GiB)
+    why = L.infeasible(huge, POLICY, [])
+    assert why is not None and "cannot run on this box" in why and "of the 24.00 GiB GPU" in why
+    assert "host RAM" in why and "the estimator alone" in why
+    assert L.infeasible(gpu_job(), POLICY, []) is None
+    assert L.infeasible(cpu_job(), POLICY, demo_night(cpu_job())) is None
+
+
+def test_peak_file_parse_takes_the_worst_device():
+    data = {"version": 1, "processes": {
+        "1": {"devices": [{"index": 0, "name": "A", "total_bytes": 100, "max_allocated_bytes": 50,
+                           "max_reserved_bytes": 60}]},
+        "2": {"devices": [{"index": 1, "name": "A", "total_bytes": 100, "max_allocated_bytes": 70,
+                           "max_reserved_bytes": 80}, {"index": 2, "bogus": 1}]}}}
+    p = L.parse_peak_file(data)
+    assert (p.max_reserved, p.max_allocated, p.total, p.devices) == (80, 70, 100, 2)
+    assert L.parse_peak_file({"processes": {}}) is None and L.parse_peak_file([1]) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(micro=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 32]), accum=st.sampled_from([1, 2, 3, 4]),
+       ratio=st.floats(0.3, 2.0), seen_micro_pick=st.integers(0, 10), oom=st.booleans())
+def test_property_effective_batch_kept_and_start_predicted_to_fit(micro, accum, ratio, seen_micro_pick, oom):
+    ctx = gpu_job(micro=micro, accum=accum, cap_gib=40)
+    options = [micro, *R.micro_batch_options(ctx, Overrides(), POLICY)]
+    seen = options[seen_micro_pick % len(options)]
+    ov_seen = split(ctx, seen)
+    obs = [fit_gpu(ctx, ov_seen, int(ratio * L.predict_gpu(ctx, ov_seen)))]
+    if oom and seen != micro:
+        cap = ctx.gpu_capacity_bytes
+        obs.append(L.observation(ctx, Overrides(), gpu_oom(cap, cap - GiB, 2 * GiB), succeeded=False))
+    ov, reason = L.initial_overrides(ctx, POLICY, obs)
+    v = R.view_of(ctx, ov)
+    assert v.micro * v.accum == micro * accum  # the user's effective batch, exactly
+    pred = L.predict(ctx, POLICY, obs)
+    if reason is None:
+        assert ov == Overrides() and pred.chosen is None
+        return
+    chosen = pred.chosen
+    assert chosen.overrides == ov and chosen.fits
+    # Never higher than needed: no faster configuration was also predicted to fit.
+    assert all(c.speed <= chosen.speed for c in pred.candidates if c.fits)
+    if oom and seen != micro:
+        assert ov != Overrides()  # the configuration that ran out is not the start

@@ -1,0 +1,89 @@
+"""The observation store: a real SQLite file, the hook's real peak file, a real second process."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from supervisor import observations as O
+from supervisor.models import Overrides
+from supervisor.policy import learn as L
+from supervisor.policy import rungs as R
+
+from .builders import GiB, POLICY, cpu_job, demo_night, gpu_job, split
+
+HOOK_DIR = Path(__file__).resolve().parents[2] / "supervisor" / "hooks" / "startup"
+
+
+def _write_peak_file_like_the_hook(path: Path, entries: list[dict]) -> None:
+    """The hook's own merge(), in a separate process per rank, as at exit."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from oom_supervisor_hooks import peak;"
+            "peak.merge(sys.argv[2], json.loads(sys.argv[3]))")
+    for e in entries:
+        subprocess.run([sys.executable, "-c", code, str(HOOK_DIR), str(path), json.dumps(e)], check=True,
+                       timeout=60)
+
+
+def test_demo_night_stored_then_resubmitted_starts_at_4x4(tmp_path):
+    ctx = cpu_job()
+    with O.ObservationStore.in_state(tmp_path) as store:
+        for o in demo_night(ctx):
+            store.add(o)
+    # A new connection (the next submit, another process's view) reads them back.
+    obs = O.load_for(tmp_path, ctx)
+    assert [o.outcome for o in obs] == ["host_oom", "host_oom", "fit"]
+    ov, reason = L.initial_overrides(ctx, POLICY, obs)
+    assert (R.view_of(ctx, ov).micro, R.view_of(ctx, ov).accum) == (4, 4)
+    assert reason.startswith("learned: 3 attempts of this kind on this box")
+    assert (tmp_path / O.FILE_NAME).exists() and O.load_for(tmp_path / "none", ctx) == []
+
+
+def test_record_attempt_reads_the_hooks_peak_file(tmp_path):
+    ctx = gpu_job(micro=8, accum=2)
+    peak = tmp_path / "attempt-1" / "gpu_peak.json"
+    peak.parent.mkdir()
+    dev = {"index": 0, "name": "NVIDIA H200", "total_bytes": ctx.gpu_capacity_bytes}
+    _write_peak_file_like_the_hook(peak, [
+        {"pid": 11, "rank": 0, "when": "exit", "devices": [{**dev, "max_allocated_bytes": 17 * GiB,
+                                                            "max_reserved_bytes": 19 * GiB}]},
+        {"pid": 12, "rank": 1, "when": "exit", "devices": [{**dev, "index": 1, "max_allocated_bytes": 18 * GiB,
+                                                            "max_reserved_bytes": 20 * GiB}]}])
+    with O.ObservationStore(tmp_path / O.FILE_NAME) as store:
+        o = O.record_attempt(store, ctx, Overrides(), None, succeeded=True, max_step=100, resumed_from_step=None,
+                             peak_file=peak, peak_rss_bytes=5 * GiB, memory_limit_bytes=None, job="j", attempt=1,
+                             time=1.0)
+        assert o is not None and o.gpu_peak == 20 * GiB and o.gpu_name == "NVIDIA H200"
+        # No peak file (a CPU run, a crash before exit): a GPU fit without its peak is not stored.
+        assert O.record_attempt(store, ctx, Overrides(), None, succeeded=True, max_step=5, resumed_from_step=0,
+                                peak_file=tmp_path / "absent.json", peak_rss_bytes=None,
+                                memory_limit_bytes=None) is None
+        assert store.count() == 1
+        assert store.all()[0] == o
+
+
+def test_store_is_bounded_oldest_dropped(tmp_path):
+    ctx = gpu_job()
+    with O.ObservationStore(tmp_path / "o.sqlite3", max_rows=50) as store:
+        for n in range(120):
+            store.add(L.observation(ctx, split(ctx, 4), None, succeeded=True, job=f"j{n}", attempt=n,
+                                    peak=L.GpuPeak(GiB, GiB, None, None, 1)))
+        assert store.count() == 50
+        assert [o.job for o in store.all()][:2] == ["j70", "j71"]
+    rows = sqlite3.connect(tmp_path / "o.sqlite3").execute("SELECT min(id), max(id) FROM observations").fetchone()
+    assert rows == (71, 120)
+
+
+def test_similar_filters_by_gpu_world_and_finetuning(tmp_path):
+    a, b = gpu_job(), gpu_job(cap_gib=80)
+    with O.ObservationStore(tmp_path / O.FILE_NAME) as store:
+        store.add(L.observation(a, Overrides(), None, succeeded=True, peak=L.GpuPeak(GiB, GiB, None, None, 1)))
+        store.add(L.observation(b, Overrides(), None, succeeded=True, peak=L.GpuPeak(GiB, GiB, None, None, 1)))
+        # A row another version wrote that this one cannot read is skipped, never an error.
+        store._db.execute("INSERT INTO observations (time, job, attempt, outcome, finetuning_type, gpu_capacity,"
+                          " world_size, body) VALUES (0, 'x', 1, 'fit', 'full', ?, 1, '{\"bogus\": 1}')",
+                          (a.gpu_capacity_bytes,))
+        assert [o.key["gpu_capacity"] for o in store.similar(a)] == [a.gpu_capacity_bytes]
+        assert [o.key["gpu_capacity"] for o in store.similar(b)] == [b.gpu_capacity_bytes]
