@@ -12,6 +12,7 @@ import json
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Self
 
 from .models import Diagnosis, JobContext, Overrides
 from .policy.learn import GpuPeak, Observation, memory_key, observation, parse_peak_file
@@ -62,7 +63,7 @@ class ObservationStore:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> ObservationStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -163,9 +163,10 @@ def observation(ctx: JobContext, ov: Overrides, diagnosis: Diagnosis | None, *, 
     key = memory_key(ctx, ov, deepspeed_version=deepspeed_version)
     cat = diagnosis.category if diagnosis is not None else None
     gpu_total = (peak.total if peak else None) or ctx.gpu_capacity_bytes
-    common = dict(key=key, overrides=ov.to_dict(), gpu_total=gpu_total, gpu_name=peak.name if peak else None,
-                  host_limit=memory_limit_bytes, predicted_gpu=predict_gpu(ctx, ov),
-                  predicted_host=predict_host(ctx, ov), job=job, attempt=attempt, time=time)
+    common: dict[str, Any] = {
+        "key": key, "overrides": ov.to_dict(), "gpu_total": gpu_total, "gpu_name": peak.name if peak else None,
+        "host_limit": memory_limit_bytes, "predicted_gpu": predict_gpu(ctx, ov),
+        "predicted_host": predict_host(ctx, ov), "job": job, "attempt": attempt, "time": time}
     if cat == Category.GPU_OOM:
         lb = S._observed_demand(diagnosis, ctx.gpu_capacity_bytes)
         if lb is not None:

@@ -12,10 +12,10 @@ from supervisor.policy import learn as L
 from supervisor.policy import rungs as R
 
 from .builders import (
-    GiB,
     PARAMS,
-    SHAPE,
     POLICY,
+    SHAPE,
+    GiB,
     cpu_job,
     demo_night,
     fit_gpu,

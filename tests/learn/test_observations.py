@@ -13,7 +13,7 @@ from supervisor.models import Overrides
 from supervisor.policy import learn as L
 from supervisor.policy import rungs as R
 
-from .builders import GiB, POLICY, cpu_job, demo_night, gpu_job, split
+from .builders import POLICY, GiB, cpu_job, demo_night, gpu_job, split
 
 HOOK_DIR = Path(__file__).resolve().parents[2] / "supervisor" / "hooks" / "startup"
 
