@@ -82,6 +82,11 @@ def test_oom_between_checkpoints_leaves_a_complete_checkpoint_of_the_last_step(r
     assert saved[1] == "8" and saved[2] == str(out / "checkpoint-8")
     em = parse_emergency(log.splitlines())
     assert (em.outcome, em.step, em.path) == ("saved", 8, str(out / "checkpoint-8"))
+    # The line saying the save started is a line of its own, although LLaMA-Factory's progress bar
+    # had left the cursor mid-line (it was glued to "44%|...| 8/18 [...]" before the fix); a log
+    # cut there reads as a save that was interrupted.
+    started = log.splitlines()[: em.line_no - 1]
+    assert parse_emergency(started).outcome == "interrupted", [ln for ln in started if "oom-supervisor" in ln]
     scan = scan_output_dir(out, expected_world_size=1)
     assert [c.step for c in scan.complete] == [5, 8] and scan.incomplete == ()
     assert scan.latest.train_batch_size == 16

@@ -54,7 +54,10 @@ _GPU_OOM = ("CUDA out of memory.", "HIP out of memory.")  # old torch raised a p
 
 
 def say(msg):
-    sys.stdout.write(f"{PREFIX} {msg}\n")
+    """One marker line, always at the start of a line (a progress bar may have left the cursor
+    mid-line, e.g. tqdm's `44%|...| 8/18 [...]` on stderr): hence the leading newline."""
+    sys.stderr.flush()
+    sys.stdout.write(f"\n{PREFIX} {msg}\n")
     sys.stdout.flush()
 
 
