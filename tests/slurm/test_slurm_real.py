@@ -37,8 +37,10 @@ IGNORE_TERM = ("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SI
 
 
 @pytest.fixture(scope="module", autouse=True)
-def hard_cancelled_job(slurm, tmp_path_factory):
-    """A process that ignores SIGTERM, hard-cancelled now; judged at the end (KillWait is 30 s)."""
+def hard_cancelled_job(slurm, timeout_job, tmp_path_factory):
+    """A process that ignores SIGTERM, hard-cancelled now; judged at the end (KillWait is 30 s).
+    After the TIMEOUT job is running: while this one is COMPLETING no new job starts."""
+    wait_state(timeout_job[0].job_id, lambda s: s.state == "RUNNING", timeout=30)
     sub, log = go(tmp_path_factory.mktemp("hard"), py(IGNORE_TERM), "hard", request=sl.SlurmJobRequest(mem="100M"))
     text = wait_file(log, lambda t: "ignoring pid" in t)
     sl.cancel(sub.job_id, hard=True)
@@ -160,7 +162,9 @@ def test_requeue_appends_output_and_is_not_the_same_run(slurm, tmp_path):
 
     def started(s):  # a requeued job waits for its begin time (~135 s) unless told to start now
         if s.state == "PENDING":
-            subprocess.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"], check=True, timeout=30)
+            # It may start between our look and this ("no longer pending"): harmless.
+            subprocess.run(["scontrol", "update", f"JobId={sub.job_id}", "StartTime=now"], check=False,
+                           capture_output=True, timeout=30)
         return s.state == "RUNNING" and s.restarts == 1
 
     again = wait_state(sub.job_id, started, timeout=30)
