@@ -467,8 +467,18 @@ def cmd_explain(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from .config import ConfigError, load_config
     from .policy import plan
 
+    # The state folder's observations.sqlite3 gives the learned prediction; a plan needs no daemon,
+    # so a configuration that cannot be read only means planning without them.
+    try:
+        cfg = load_config(getattr(args, "config", None), state_dir=getattr(args, "state_dir", None),
+                          spool_dir=getattr(args, "spool_dir", None))
+        args.state_root = cfg.state.root
+    except ConfigError as exc:
+        print(f"warning: {exc}; planning without learned observations", file=sys.stderr)
+        args.state_root = None
     return plan.run(args)
 
 

@@ -196,7 +196,9 @@ def tier(target: Mapping[str, Any], seen: Mapping[str, Any]) -> str | None:
             return None
     same_model = all(a.get(f) == b.get(f) for f in ("params", "hidden_size", "num_layers", "vocab_size"))
     if same_model and a.get("cutoff_len") == b.get("cutoff_len"):
-        return "same_kind" if all(a.get(f) == b.get(f) for f in VERSION_FIELDS) else "other_versions"
+        # An unknown version (plan, without probing the job's environment) is no difference.
+        same = all(a.get(f) == b.get(f) or a.get(f) is None or b.get(f) is None for f in VERSION_FIELDS)
+        return "same_kind" if same else "other_versions"
     if same_model:
         return "other_seq"
     if a.get("vocab_size") == b.get("vocab_size") and a.get("vocab_size"):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from ..models import (
     Overrides,
     Phase,
 )
+from . import learn
 from .decide import decide
 from .estimate import (
     GiB,
@@ -53,6 +56,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy-dir", type=Path, action="append", default=[],
                         help="where named policies live (repeatable; the shipped ones are always searched)")
     parser.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity to judge fit against")
+    parser.add_argument("--observations", type=Path, metavar="FILE",
+                        help="learned observations (default: observations.sqlite3 in the state folder)")
     parser.add_argument("--deepspeed-estimator", action="store_true",
                         help="also print DeepSpeed's own ZeRO-3 estimates (imports deepspeed, slow)")
 
@@ -67,7 +72,7 @@ def _context(spec: Any, shape: ModelShape | None, gpu_gib: float | None) -> JobC
             ds_cfg = None
     return JobContext(id=0, name=spec.name, kind=spec.kind, config=spec.config, world_size=spec.world_size,
                       nproc_per_node=spec.sup.nproc_per_node, gpus=tuple(spec.sup.gpus) if spec.sup.gpus else None,
-                      max_attempts=spec.sup.max_attempts or 8,
+                      max_attempts=spec.sup.max_attempts or 8, host_memory_limit_bytes=spec.sup.host_memory_limit,
                       **context_fields(shape), gpu_capacity_bytes=int(gpu_gib * GiB) if gpu_gib else None, deepspeed_config=ds_cfg)
 
 
@@ -93,13 +98,25 @@ def _numbers(ctx: JobContext, ov: Overrides, shape: ModelShape | None) -> dict[s
             "activations_gib": round(act / GiB, 2), "total_gpu_gib": round((gpu + act) / GiB, 2)}
 
 
-def build_plan(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None) -> list[dict[str, Any]]:
+def build_plan(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None,
+               observations: Sequence[learn.Observation] = ()) -> list[dict[str, Any]]:
     ctx = _context(spec, shape, gpu_gib)
     history: list[AttemptRecord] = []
-    ov = Overrides()
-    steps = [{"attempt": 1, "rung": None, "reason": "the job as submitted", "changes": [],
-              "estimate": _estimate(ctx, ov, shape)}]
     attempt_dir = Path("<attempt_dir>")
+    ov, why = learn.initial_overrides(ctx, policy, observations)
+    if why is None:
+        steps = [{"attempt": 1, "rung": None, "reason": "the job as submitted", "changes": [],
+                  "estimate": _estimate(ctx, ov, shape)}]
+    else:
+        pred = learn.predict(ctx, policy, observations)
+        chosen = pred.chosen if pred else None
+        est = _estimate(ctx, ov, shape)
+        if chosen is not None:
+            # The learned prediction, not the raw estimate, says whether it fits.
+            est.update(_learned_numbers(chosen), fits=chosen.fits)
+        r = render_attempt(spec, ov, attempt_dir=attempt_dir, resume_yaml={}, launcher=["llamafactory-cli"])
+        steps = [{"attempt": 1, "rung": "learned" if ov.rungs else None, "reason": why,
+                  "changes": [c.to_dict() for c in r.changes], "estimate": est}]
     for n in range(1, MAX_STEPS):
         if steps[-1]["estimate"].get("fits"):
             break
@@ -115,6 +132,45 @@ def build_plan(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float 
         steps.append({"attempt": n + 1, "rung": d.rung, "reason": d.reason,
                       "changes": [c.to_dict() for c in r.changes], "estimate": _estimate(ctx, ov, shape)})
     return steps
+
+
+def _learned_numbers(c: learn.Candidate) -> dict[str, Any]:
+    return {"learned_gpu_gib": None if c.gpu_need is None else round(c.gpu_need / GiB, 2),
+            "learned_host_gib": None if c.host_need is None else round(c.host_need / GiB, 2),
+            "margin": c.margin, "source": c.source}
+
+
+def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None,
+                    observations: Sequence[learn.Observation]) -> dict[str, Any] | None:
+    """The prediction, the observations it came from and the margin (None without a shape)."""
+    ctx = _context(spec, shape, gpu_gib)
+    pred = learn.predict(ctx, policy, observations)
+    if pred is None:
+        return None
+    key = learn.memory_key(ctx, Overrides())
+    used = {id(o) for o in (*pred.gpu.basis, *pred.host.basis, *pred.same_kind)}
+
+    def corr(c: learn.Correction) -> dict[str, Any]:
+        return {"k": round(c.k, 3), "tier": c.tier, "raised_by_oom": c.bounded_by_oom,
+                "margin": learn.MARGINS.get(c.tier or "", 0.0), "observations": len(c.basis)}
+
+    obs = [{"job": o.job, "attempt": o.attempt, "tier": learn.tier(key, o.key), "outcome": o.outcome,
+            "config": f"{o.key.get('micro_batch')}x{o.key.get('grad_accum')}",
+            "cutoff_len": o.key.get("cutoff_len"), "params": o.key.get("params"),
+            "gpu_peak_gib": None if o.gpu_peak is None else round(o.gpu_peak / GiB, 2),
+            "host_peak_gib": None if o.host_peak is None else round(o.host_peak / GiB, 2),
+            "predicted_gpu_gib": None if o.predicted_gpu is None else round(o.predicted_gpu / GiB, 2),
+            "predicted_host_gib": None if o.predicted_host is None else round(o.predicted_host / GiB, 2)}
+           for o in observations if id(o) in used]
+    cands = sorted(pred.candidates, key=lambda c: -c.speed)
+    return {"gpu": corr(pred.gpu), "host": corr(pred.host), "fit_headroom": policy.fit_headroom,
+            "gpu_limit_gib": None if pred.gpu_limit is None else round(pred.gpu_limit / GiB, 2),
+            "host_limit_gib": None if pred.host_limit is None else round(pred.host_limit / GiB, 2),
+            "observations": obs,
+            "candidates": [{"config": c.label, "fits": c.fits, "speed": round(c.speed, 3), **_learned_numbers(c)}
+                           for c in cands],
+            "chosen": pred.chosen.label if pred.chosen else None,
+            "refused": learn.infeasible(ctx, policy, observations)}
 
 
 def _planned_oom(ctx: JobContext, est: dict[str, Any]) -> Diagnosis:
@@ -150,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     model = spec.config.get("model_name_or_path")
     shape = read_model_shape(spec.resolve(model)) if model else None
-    steps = build_plan(spec, policy, shape, args.gpu_memory)
+    observations = _observations(args, _context(spec, shape, args.gpu_memory))
+    steps = build_plan(spec, policy, shape, args.gpu_memory, observations)
+    learned = learned_summary(spec, policy, shape, args.gpu_memory, observations)
     from ..llamafactory.validate import config_warnings
 
     warnings = [str(w) for w in config_warnings(spec.config)] if spec.kind == "llamafactory" else []
@@ -160,21 +218,26 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"job": spec.name, "policy": policy.name,
                           "params": shape.params if shape else None, "steps": steps, "warnings": warnings,
-                          "deepspeed_estimates": extra}, indent=2, default=str))
+                          "deepspeed_estimates": extra, "learned": learned}, indent=2, default=str))
         return 0
     head = f"{spec.name}: policy {policy.name!r}"
     head += f", {_count(shape.params)} parameters" if shape else " (model size unknown: no local config.json)"
     print(head)
     for w in warnings:
         print(f"warning: {w}")
+    if learned is not None:
+        _print_learned(learned)
     for s in steps:
         est = s["estimate"]
-        mem = (f"  [GPU ~{est['total_gpu_gib']} GiB = states {est['model_states_gpu_gib']} + activations "
+        if est.get("source"):
+            mem = "  [learned: " + _learned_words(est) + "]"
+        else:
+            mem = (f"  [GPU ~{est['total_gpu_gib']} GiB = states {est['model_states_gpu_gib']} + activations "
                f"{est['activations_gib']}; host ~{est['model_states_host_gib']} GiB"
-               + {True: "; fits", False: "; does not fit", None: ""}[est.get("fits")] + "]" if est else "")
+                   + {True: "; fits", False: "; does not fit", None: ""}[est.get("fits")] + "]" if est else "")
         title = s["rung"] or ("as submitted" if s["attempt"] == 1 else "stop")
         print(f"{s['attempt']:>2}. {title}{mem}")
-        if s["rung"] is None and s["attempt"] > 1:
+        if (s["rung"] is None and s["attempt"] > 1) or s["rung"] == "learned" or est.get("source"):
             print(f"    {s['reason']}")
         for c in s["changes"]:
             new = "(generated)" if c["target"] == "deepspeed" else c["new"]
@@ -183,6 +246,58 @@ def run(args: argparse.Namespace) -> int:
         for k, (g, h) in extra.items():
             print(f"DeepSpeed's own estimate, {k}: GPU {g / GiB:.1f} GiB, host {h / GiB:.1f} GiB")
     return 0
+
+
+def _observations(args: argparse.Namespace, ctx: JobContext) -> list[learn.Observation]:
+    """--observations FILE, else the state folder's (cli.cmd_plan sets args.state_root), else none."""
+    from .. import observations as O
+
+    path = getattr(args, "observations", None)
+    root = getattr(args, "state_root", None)
+    if path is None and root is not None:
+        path = Path(root) / O.FILE_NAME
+    if path is None or not Path(path).exists():
+        return []
+    try:
+        with O.ObservationStore(path) as store:
+            return store.similar(ctx)
+    except (OSError, sqlite3.Error) as exc:  # a broken cache never stops a plan; say so
+        print(f"warning: observations in {path} unreadable ({exc}); planning without them", file=sys.stderr)
+        return []
+
+
+def _learned_words(est: dict[str, Any]) -> str:
+    parts = []
+    if est.get("learned_gpu_gib") is not None:
+        parts.append(f"GPU ~{est['learned_gpu_gib']} GiB")
+    if est.get("learned_host_gib") is not None:
+        parts.append(f"host ~{est['learned_host_gib']} GiB")
+    how = "observed" if est["source"] == "observed" else f"predicted, margin {est['margin']:.0%}"
+    return ", ".join(parts) + f" ({how}); " + ("fits" if est.get("fits") else "does not fit")
+
+
+def _print_learned(x: dict[str, Any]) -> None:
+    c = x["gpu"] if x["gpu"]["observations"] else x["host"]
+    res = "GPU" if c is x["gpu"] else "host"
+    if not x["observations"]:
+        print("learned: no observations of a similar run; the estimator alone")
+    else:
+        print(f"learned: {res} estimate x{c['k']:.2f} from {c['observations']} observation(s) "
+              f"({c['tier'] or 'OOM lower bounds only'}{', raised by an OOM' if c['raised_by_oom'] else ''}); "
+              f"margin {c['margin']:.0%} on predictions, on top of the policy's fit_headroom "
+              f"{x['fit_headroom']:.0%} (usable: " + ", ".join(
+                  f"{r} {x[f'{r.lower()}_limit_gib']} GiB" for r in ("GPU", "host")
+                  if x[f"{r.lower()}_limit_gib"] is not None) + ")")
+        for o in x["observations"]:
+            peak = o["gpu_peak_gib"] if o["gpu_peak_gib"] is not None else o["host_peak_gib"]
+            pred = o["predicted_gpu_gib"] if o["gpu_peak_gib"] is not None else o["predicted_host_gib"]
+            bound = ">=" if o["outcome"] != "fit" else ""
+            print(f"  {o['job']} attempt {o['attempt']} ({o['tier']}): {o['config']} cutoff_len {o['cutoff_len']}: "
+                  f"{o['outcome']}, peak {bound}{peak} GiB, estimator said {pred} GiB")
+    if x["chosen"]:
+        print(f"learned start: {x['chosen']}")
+    if x["refused"]:
+        print(f"refused at submit: {x['refused']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,82 @@
+"""`oom-supervisor plan` with a state folder that holds observations: the real CLI, a real file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from supervisor import observations as O
+from supervisor.jobspec import parse_job_text
+from supervisor.policy import learn as L
+from supervisor.policy import plan
+from supervisor.policy.estimate import read_model_shape
+
+from .builders import GiB, host_oom, split
+
+TINY = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 688, "vocab_size": 4000,
+        "num_attention_heads": 4, "num_key_value_heads": 4}
+JOB = """\
+model_name_or_path: model
+stage: sft
+do_train: true
+finetuning_type: full
+dataset: alpaca_zh
+template: llama3
+cutoff_len: 512
+output_dir: saves/x
+per_device_train_batch_size: 16
+gradient_accumulation_steps: 1
+supervisor:
+  name: demo-like
+  host_memory_limit: 2000000KiB
+"""
+
+
+def _setup(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY))
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    spec = parse_job_text(JOB, source=str(job), submit_dir=tmp_path)
+    ctx = plan._context(spec, read_model_shape(tmp_path / "model"), None)
+    return job, ctx
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "supervisor.cli", "plan", *args], check=False,
+                          capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_plan_shows_prediction_observations_and_margin(tmp_path):
+    job, ctx = _setup(tmp_path)
+    state = tmp_path / "state"
+    limit = ctx.host_memory_limit_bytes
+    with O.ObservationStore.in_state(state) as store:
+        for n, (micro, ok) in enumerate(((16, False), (8, False), (4, True)), 1):
+            store.add(L.observation(ctx, split(ctx, micro), None if ok else host_oom(), succeeded=ok,
+                                    peak_rss_bytes=int(1.32 * GiB), memory_limit_bytes=limit, max_step=30,
+                                    job="demo-like", attempt=n, time=float(n)))
+    res = _cli(str(job), "--state-dir", str(state))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "learned: host estimate x" in out and "from 3 observation(s) (same_kind" in out
+    assert "margin 5% on predictions, on top of the policy's fit_headroom 5%" in out
+    assert "demo-like attempt 1 (same_kind): 16x1 cutoff_len 512: host_oom, peak >=1.91 GiB" in out
+    assert "demo-like attempt 3 (same_kind): 4x4 cutoff_len 512: fit, peak 1.32 GiB" in out
+    assert " 1. learned  [learned: host ~1.32 GiB (observed); fits]" in out
+    assert "starting at 4x4 (observed to fit)" in out
+    assert "yaml.per_device_train_batch_size: 16 -> 4" in out
+    doc = json.loads(_cli(str(job), "--state-dir", str(state), "--json").stdout)
+    assert doc["learned"]["chosen"] == "4x4" and doc["learned"]["refused"] is None
+    assert doc["learned"]["host"]["margin"] == 0.05 and len(doc["learned"]["observations"]) == 3
+    assert doc["steps"][0]["estimate"]["source"] == "observed"
+
+
+def test_plan_without_observations_says_the_estimator_alone(tmp_path):
+    job, _ = _setup(tmp_path)
+    res = _cli(str(job), "--state-dir", str(tmp_path / "empty"))
+    assert res.returncode == 0, res.stderr
+    assert "learned: no observations of a similar run; the estimator alone" in res.stdout
+    assert " 1. as submitted" in res.stdout
