@@ -240,11 +240,15 @@ def on_oom(trainer, tracker, exc, kind):
             f"checkpoint is the resume point")
         return
     if tracker.started_at is None or tracker.finished == 0:
-        say(f"no emergency checkpoint: no optimizer step finished in this process "
-            f"(global step {step}); {what} before the first step end")
+        start = "" if tracker.started_at is None else f", which started at step {tracker.started_at}"
+        say(f"no emergency checkpoint: {what} before any optimizer step finished in this process{start}; "
+            f"nothing newer than the checkpoint it started from (if any) to save")
         return
-    say(f"emergency checkpoint: saving step {step} to {_final_dir(trainer, step)} "
-        f"(after {what}; {freed})")
+    final = _final_dir(trainer, step)
+    if os.path.isfile(os.path.join(final, STATE_FILE)):
+        say(f"emergency checkpoint at step {step}: {final} (already saved by the regular schedule)")
+        return
+    say(f"emergency checkpoint: saving step {step} to {final} (after {what}; {freed})")
     t0 = time.monotonic()
     try:
         path, already = save(trainer, step, tracker.snap)
