@@ -32,6 +32,8 @@ HOST_BASE = 2 * GiB
 # prediction). An exactly observed fit needs none beyond the policy's fit_headroom.
 MARGINS = {"same_config": 0.0, "same_kind": 0.05, "other_versions": 0.08, "other_seq": 0.10,
            "sibling": 0.15}
+# More margin when a candidate's setup (setup_of) differs from every fit the ratio came from.
+SETUP_MARGIN = 0.10
 TIER_ORDER = ("same_kind", "other_versions", "other_seq", "sibling")
 TIER_WORDS = {"same_kind": "of this kind", "other_versions": "of this kind under other library versions",
               "other_seq": "of the same model at another cutoff_len", "sibling": "of a sibling model size"}
@@ -57,6 +59,15 @@ def memory_key(ctx: JobContext, ov: Overrides, *, deepspeed_version: str | None 
         "gpu_capacity": ctx.gpu_capacity_bytes, "world_size": ctx.launched_world_size(),
         "torch": ctx.torch_version, "transformers": ctx.transformers_version, "deepspeed": deepspeed_version,
     }
+
+
+def setup_of(key: Mapping[str, Any], ov: Mapping[str, Any] | Overrides) -> tuple[Any, ...]:
+    """How the configuration holds memory apart from the batch split: checkpointing, ZeRO,
+    offload, allocator tuning, a cap. A ratio observed under one setup is extrapolated to
+    another only with SETUP_MARGIN more."""
+    o = ov if isinstance(ov, Overrides) else Overrides.from_dict(ov)
+    return (key.get("grad_checkpointing"), key.get("zero_stage"), key.get("offload_optimizer"),
+            key.get("offload_param"), R.ALLOC_VARS[0] in o.env, R.cap_fraction(o) is not None)
 
 
 def kind_of(key: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,16 +225,19 @@ class Correction:
     tier: str | None
     basis: tuple[Observation, ...]
     bounded_by_oom: bool = False
+    same_setup: bool = False  # the ratio came from fits with the candidate's own setup
 
 
 def _ratio(seen: int | None, pred: int | None) -> float | None:
     return seen / pred if seen and pred else None
 
 
-def correction(target_key: Mapping[str, Any], observations: Sequence[Observation], resource: str) -> Correction:
+def correction(target_key: Mapping[str, Any], observations: Sequence[Observation], resource: str,
+               setup: tuple[Any, ...] | None = None) -> Correction:
     """k for "gpu" or "host": the closest tier with a fit gives the largest observed/predicted
-    ratio of its fits; an OOM of that resource in that or a closer tier raises k to its
-    lower bound. Without any fit, OOMs alone may only raise it (k >= 1)."""
+    ratio of its fits (of those with `setup` when there are any: `same_setup`); an OOM of that
+    resource in that or a closer tier raises k to its lower bound. Without any fit, OOMs
+    alone may only raise it (k >= 1)."""
     peak, pred = f"{resource}_peak", f"predicted_{resource}"
     by_tier: dict[str, list[Observation]] = {}
     for o in observations:
@@ -237,11 +251,13 @@ def correction(target_key: Mapping[str, Any], observations: Sequence[Observation
         fits = [(o, _ratio(getattr(o, peak), getattr(o, pred))) for o in group if o.outcome == "fit"]
         fits = [(o, r) for o, r in fits if r is not None]
         if fits:
+            alike = [(o, r) for o, r in fits if setup is not None and setup_of(o.key, o.overrides) == setup]
+            fits = alike or fits
             k = max(r for _, r in fits)
             lbs = [(o, r) for o in ooms_seen if (r := _ratio(getattr(o, peak), getattr(o, pred))) is not None]
             raised = bool(lbs) and max(r for _, r in lbs) > k
             k = max([k, *(r for _, r in lbs)])
-            return Correction(k, t, tuple(o for o, _ in fits) + tuple(o for o, _ in lbs), raised)
+            return Correction(k, t, tuple(o for o, _ in fits) + tuple(o for o, _ in lbs), raised, bool(alike))
     lbs = [(o, r) for o in ooms_seen if (r := _ratio(getattr(o, peak), getattr(o, pred))) is not None]
     if lbs:
         return Correction(max(1.0, *(r for _, r in lbs)), None, tuple(o for o, _ in lbs), True)
@@ -260,6 +276,7 @@ class Candidate:
     source: str  # "observed" (ran and fit) | "oom" (ran out of memory) | "predicted"
     fits: bool
     speed: float
+    k: float = 1.0  # the correction applied (1.0 for an observed one)
 
 
 def label(ctx: JobContext, ov: Overrides) -> str:
@@ -361,17 +378,24 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
             cands.append(Candidate(ov, label(ctx, ov), seen.gpu_peak, seen.host_peak, 0.0, "oom", False, sp))
             continue
         pg, ph = predict_gpu(ctx, ov), predict_host(ctx, ov)
-        gpu = int(pg * gpu_c.k) if pg is not None else None
-        host = int(ph * host_c.k) if ph is not None else None
-        margin = MARGINS.get(gpu_c.tier or host_c.tier or "", 0.0)
+        sig = setup_of(memory_key(ctx, ov), ov)
+        gc_, hc_ = correction(key, observations, "gpu", sig), correction(key, observations, "host", sig)
+        gpu = int(pg * gc_.k) if pg is not None else None
+        host = int(ph * hc_.k) if ph is not None else None
+        used = gc_ if gc_.basis else hc_
+        margin = MARGINS.get(used.tier or "", 0.0) + (0.0 if used.same_setup or not used.basis else SETUP_MARGIN)
         source = "predicted"
+        g_lim, h_lim = gpu_limit, host_limit
         if seen is not None:
+            # It ran to the end of its work: the whole GPU / budget is the limit it proved.
             gpu = seen.gpu_peak if seen.gpu_peak is not None else gpu
             host = seen.host_peak if seen.host_peak is not None else host
             margin, source = MARGINS["same_config"], "observed"
+            g_lim = ctx.gpu_capacity_bytes if on_gpu(ctx) else None
+            h_lim = budget or None
         fits = all(need is None or limit is None or need * (1 + margin) <= limit
-                   for need, limit in ((gpu, gpu_limit), (host, host_limit)))
-        cands.append(Candidate(ov, label(ctx, ov), gpu, host, margin, source, fits, sp))
+                   for need, limit in ((gpu, g_lim), (host, h_lim)))
+        cands.append(Candidate(ov, label(ctx, ov), gpu, host, margin, source, fits, sp, used.k))
     return Prediction(tuple(cands), gpu_c, host_c, gpu_limit, host_limit, tuple(same))
 
 
@@ -414,7 +438,7 @@ def reason_for(ctx: JobContext, pred: Prediction, choice: Candidate) -> str:
         res = "GPU" if choice.gpu_need is not None else "host"
         need = choice.gpu_need if res == "GPU" else choice.host_need
         limit = pred.gpu_limit if res == "GPU" else pred.host_limit
-        basis = (f"predicted ~{_gib(need)} of {_gib(limit)} usable {res} memory (estimator x{corr.k:.2f}, "
+        basis = (f"predicted ~{_gib(need)} of {_gib(limit)} usable {res} memory (estimator x{choice.k:.2f}, "
                  f"margin {choice.margin:.0%})")
     start = "the job as submitted" if not choice.overrides.rungs else choice.label
     return f"{head}: {ran}; starting at {start} ({basis})" if ran else f"{head}; starting at {start} ({basis})"

@@ -162,3 +162,26 @@ def test_property_effective_batch_kept_and_start_predicted_to_fit(micro, accum, 
     assert all(c.speed <= chosen.speed for c in pred.candidates if c.fits)
     if oom and seen != micro:
         assert ov != Overrides()  # the configuration that ran out is not the start
+
+
+def test_an_observed_fit_above_the_headroom_is_still_trusted():
+    """Found by bench_policy --learned: a configuration that ran to the end at 99% of the GPU was
+    judged against capacity x (1 - fit_headroom) like a prediction and skipped for a slower one."""
+    ctx = gpu_job(micro=8, accum=2)
+    cap = ctx.gpu_capacity_bytes
+    obs = [L.observation(ctx, Overrides(), gpu_oom(cap, cap - GiB // 2, 2 * GiB), succeeded=False),
+           fit_gpu(ctx, split(ctx, 4), int(0.99 * cap), n=2)]
+    ov, reason = L.initial_overrides(ctx, POLICY, obs)
+    assert ov == split(ctx, 4) and reason.endswith("starting at 4x4 (observed to fit)")
+
+
+def test_a_ratio_is_extrapolated_to_another_setup_only_with_more_margin():
+    """Found by bench_policy --learned: a ratio seen without ZeRO (or with allocator tuning) was
+    applied to a ZeRO-3 candidate with the plain 5%, which then ran out."""
+    ctx = gpu_job(micro=8, accum=2)
+    obs = [fit_gpu(ctx, split(ctx, 4), int(0.9 * L.predict_gpu(ctx, split(ctx, 4))))]
+    pred = L.predict(ctx, POLICY, obs)
+    plain = next(c for c in pred.candidates if c.overrides == split(ctx, 2))
+    zero3 = next(c for c in pred.candidates if "ZeRO-3" in c.label)
+    assert plain.margin == L.MARGINS["same_kind"]
+    assert zero3.margin == L.MARGINS["same_kind"] + L.SETUP_MARGIN
