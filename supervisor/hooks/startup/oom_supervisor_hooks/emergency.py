@@ -25,15 +25,20 @@ of step N first, so the checkpoint equals the one a regular save at step N would
 
 Multi-rank (WORLD_SIZE > 1): nothing is saved. The other ranks are inside (or about to enter) a
 collective that this rank will never join; a save needs them all (DeepSpeed/FSDP shards, the
-barrier in `_save_checkpoint`). The rank prints why and re-raises at once; torchrun then stops
-the other ranks and the supervisor resumes from the last regular checkpoint.
+barrier in `_save_checkpoint`). The rank prints why and re-raises at once (no memory release, no
+wait); torchrun's agent sees the failed worker and SIGTERMs the others (measured on 2 CPU ranks
+with gloo: rank 0's all-reduce fails with "Connection closed by peer", torchrun exits 1, rank 0
+shows exitcode -15). The supervisor resumes from the last regular checkpoint.
 
-Marker lines (stdout, flushed, one line each; the supervisor parses the `oom-supervisor:` prefix):
-  oom-supervisor: emergency checkpoint: saving step N to <output_dir>/checkpoint-N (...)
-  oom-supervisor: emergency checkpoint at step N: <path>
+Marker lines (stdout, each starting a line of its own; `supervisor.hooks.markers` reads them):
+  oom-supervisor: emergency checkpoint: saving step N to <output_dir>/checkpoint-N (after <what>; <freed>)
+  oom-supervisor: emergency checkpoint: moved the incomplete <path> (a regular save ...) to <dest>
+  oom-supervisor: emergency checkpoint at step N: <path> (saved in <s> s)
   oom-supervisor: emergency checkpoint at step N: <path> (already saved by the regular schedule)
-  oom-supervisor: emergency checkpoint at step N failed: <why>
+  oom-supervisor: emergency checkpoint at step N failed: <ExceptionType>: <message>
   oom-supervisor: no emergency checkpoint: <why>
+Nothing else is changed: no training setting, no regular save, no rotation of older checkpoints
+(the save's rotation runs inside the staging folder).
 """
 
 import gc
