@@ -380,6 +380,10 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
         pg, ph = predict_gpu(ctx, ov), predict_host(ctx, ov)
         sig = setup_of(memory_key(ctx, ov), ov)
         gc_, hc_ = correction(key, observations, "gpu", sig), correction(key, observations, "host", sig)
+        if hc_.basis and not hc_.same_setup and not hc_.bounded_by_oom and on_gpu(ctx):
+            # A GPU run's host use under one setup (a fixed base) says little about offloaded
+            # states under another: the estimator's DeepSpeed formula stands there.
+            hc_ = Correction(1.0, None, ())
         gpu = int(pg * gc_.k) if pg is not None else None
         host = int(ph * hc_.k) if ph is not None else None
         used = gc_ if gc_.basis else hc_

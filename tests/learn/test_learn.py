@@ -185,3 +185,17 @@ def test_a_ratio_is_extrapolated_to_another_setup_only_with_more_margin():
     zero3 = next(c for c in pred.candidates if "ZeRO-3" in c.label)
     assert plain.margin == L.MARGINS["same_kind"]
     assert zero3.margin == L.MARGINS["same_kind"] + L.SETUP_MARGIN
+
+
+def test_host_use_without_offload_does_not_inflate_offload_or_refuse_the_job():
+    """A GPU run's 6 GiB of host RSS without ZeRO is three times HOST_BASE; carried to ZeRO-3
+    offload it would triple the DeepSpeed host estimate and could refuse a runnable job."""
+    ctx = dataclasses.replace(gpu_job(micro=8, accum=2, params=8_000_000_000,
+                                      shape={"hidden_size": 4096, "num_layers": 32, "vocab_size": 128256}),
+                              largest_layer_params=525_000_000, host_ram_bytes=256 * GiB)
+    seen = L.observation(ctx, split(ctx, 1), None, succeeded=True, peak=L.GpuPeak(20 * GiB, 19 * GiB, None, None, 1),
+                         peak_rss_bytes=6 * GiB)
+    pred = L.predict(ctx, POLICY, [seen])
+    offload = next(c for c in pred.candidates if "ZeRO-3" in c.label)
+    assert offload.host_need == L.predict_host(ctx, offload.overrides)
+    assert L.infeasible(ctx, POLICY, [seen]) is None
