@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from .models import (
 from .notify import Notifier
 from .ownership import MARKER_ENV, Owner, detect_owner_support
 from .paths import AttemptPaths
+from .slurm_handle import SlurmHandle
 from .states import JobState
 from .store import JobRow, Store
 
@@ -53,6 +55,7 @@ READ_BUDGET_BYTES = 8 << 20
 READ_BUDGET_S = 0.05
 TAIL_KEEP_BYTES = 32 << 20  # of a backlog left when an attempt is over, the part that is read
 STUCK_AFTER_S = 10.0
+SLURM_KILL_AFTER_S = 60.0  # after a hard scancel, SIGKILL at once if the job still is not gone
 ENV_DROP_PREFIXES = ("OOM_SUPERVISOR_",)
 RUNNABLE = (JobState.QUEUED, JobState.INTERRUPTED, JobState.WAITING_RETRY)
 
@@ -118,6 +121,10 @@ class Runner:
         self.owner_support = (detect_owner_support(self._state_tag()) if cfg.cgroups == "auto" else None)
         self._outbox: list[dict[str, Any]] = []
         self.gpu_vendor = detect_vendor() if cfg.gpu_vendor == "auto" else cfg.gpu_vendor
+        self.slurm = cfg.backend == "slurm"
+        if self.slurm:
+            self.owner_support = None  # Slurm's job cgroup owns the processes
+            self.cgroup_support = None
         self._versions: dict[str, dict[str, str | None]] = {}
         self._specs: dict[int, jobspec_mod.JobSpec] = {}  # job.yaml never changes once accepted
         self._gpu_caps: dict[int, int] | None = None  # probed once, when a decision first needs it
@@ -268,9 +275,12 @@ class Runner:
             self._notify(job.id, "cancelled", "cancelled by the user")
             return None
         try:
-            handle = proctree.launch(paths, argv=rendered.argv, cwd=spec.workdir, env=env,
-                                     rlimits=rlimits, cgroup=cgroup, owner=owner,
-                                     max_log_bytes=self.cfg.max_log_bytes)
+            if self.slurm:
+                handle = self._submit_slurm(job, number, paths, rendered.argv, spec, env, tag)
+            else:
+                handle = proctree.launch(paths, argv=rendered.argv, cwd=spec.workdir, env=env,
+                                         rlimits=rlimits, cgroup=cgroup, owner=owner,
+                                         max_log_bytes=self.cfg.max_log_bytes)
         except Exception as exc:
             # The attempt is recorded as started: follow it through the usual path (its owner is
             # checked empty there) so that its end is recorded even on a full disk.
@@ -280,14 +290,35 @@ class Runner:
             if is_disk_full(exc):
                 act.stopped_by = "vanished"  # nothing ran; it is resumed once there is room
             return act
-        self.store.update_attempt(job.id, number, pid=handle.pid, pid_create_time=handle.create_time)
+        if isinstance(handle, SlurmHandle):
+            self.store.update_attempt(job.id, number, backend_ref=json.dumps({"slurm": handle.record}))
+        else:
+            self.store.update_attempt(job.id, number, pid=handle.pid, pid_create_time=handle.create_time)
         changes = [c.to_dict() for c in rendered.changes]
         self._event(job.id, "attempt_started", f"attempt {number}: {' '.join(rendered.argv)}", attempt=number,
                     pid=handle.pid, changes=changes, memory_limit=spec.sup.host_memory_limit,
                     limit_mechanism=mechanism, ownership=owner.mechanism)
         act = Active(handle=handle, **act_args)
-        act.vram = VramSampler(gpus, pids=lambda: [p.pid for p in handle.processes()]).start()
+        if not self.slurm:
+            act.vram = VramSampler(gpus, pids=lambda: [p.pid for p in handle.processes()]).start()
         return act
+
+    def _submit_slurm(self, job: JobRow, number: int, paths: AttemptPaths, argv: list[str], spec,
+                      env: dict[str, str], tag: str) -> SlurmHandle:
+        """One attempt = one sbatch job running the launch shim (exit.json, SIGTERM to every worker)."""
+        from . import slurm
+
+        proctree.write_launch(paths, argv=argv, cwd=spec.workdir, env=env,
+                              max_log_bytes=self.cfg.max_log_bytes)
+        request = spec.sup.slurm_request or slurm.SlurmJobRequest()
+        if request.mem is None and spec.sup.host_memory_limit:
+            request = request.model_copy(update={"mem": spec.sup.host_memory_limit})
+        sub = slurm.submit(paths.root, paths.log, [sys.executable, "-m", "supervisor.shim", str(paths.launch)],
+                           spec.workdir, {**env, "PYTHONPATH": proctree.package_root()},
+                           settings=self.cfg.slurm_settings, request=request, job_name=f"oomsv-{tag}")
+        self._event(job.id, "slurm_submitted", f"attempt {number} is Slurm job {sub.job_id}", attempt=number,
+                    slurm_job=sub.job_id)
+        return SlurmHandle(sub.job_id, sub.to_dict())
 
     def refuse(self, job: JobRow, reason: str) -> None:
         """A job that can never run here (nothing of it was started)."""
@@ -391,6 +422,8 @@ class Runner:
         limit = spec.sup.host_memory_limit
         if not limit:
             return None, None, None
+        if self.slurm:
+            return None, None, "slurm-cgroup"  # sbatch --mem, enforced by Slurm's cgroup
         if owner.kind == "cgroup-v2" and owner.cgroup is not None and (owner.cgroup / "memory.max").exists():
             cg = JobCgroup.create(CgroupSupport(2, owner.cgroup.parent), owner.cgroup.name, limit)
             return None, cg, cg.mechanism
@@ -497,7 +530,13 @@ class Runner:
         now = time.monotonic()
         if now < act.stop_deadline:
             return
-        if act.handle.processes():
+        if isinstance(act.handle, SlurmHandle):
+            if not act.kill_sent:
+                proctree.kill_tree(act.handle)  # scancel: Slurm's TERM, KillWait, then SIGKILL of the cgroup
+                act.kill_sent = True
+            elif now - act.stop_deadline > SLURM_KILL_AFTER_S and "kill" not in act.handle.cancels:
+                proctree.kill_tree(act.handle, shim_too=True)
+        elif act.handle.processes():
             proctree.kill_tree(act.handle)
             act.kill_sent = True
         elif act.handle.alive() and now - act.stop_deadline > proctree.SHIM_GRACE_S:
@@ -617,6 +656,14 @@ class Runner:
         """
         raw = proctree.read_exit(act.paths) or {}
         stopped_by = act.stopped_by
+        slurm_v = self._slurm_verdict(act) if isinstance(act.handle, SlurmHandle) else None
+        if slurm_v is not None:
+            if not raw or raw.get("returncode") is None:
+                raw = {**raw, **slurm_v["exit"]}
+            if stopped_by is None and (slurm_v["interrupted"] or slurm_v["timeout"]):
+                stopped_by, act.interrupt_cause = "vanished", f"slurm {slurm_v['scheduler_state']}"
+            elif stopped_by is None and slurm_v["cancelled"]:
+                stopped_by = "cancelled_outside"
         if (stopped_by == "shutdown" and raw.get("ended_at") and act.stop_sent_wall
                 and raw["ended_at"] < act.stop_sent_wall and raw.get("returncode") is not None):
             stopped_by = None  # it ended on its own just before our stop: judge it as such
@@ -624,6 +671,10 @@ class Runner:
                               duration_s=raw.get("duration_s"), stopped_by=stopped_by,
                               launch_error=raw.get("launch_error") or raw.get("error") or act.launch_failure)
         host = self._host_evidence(act, raw)
+        if slurm_v is not None:
+            import dataclasses
+
+            host = dataclasses.replace(host, **{k: v for k, v in slurm_v["host"].items() if v is not None})
         try:
             diagnosis = act.scanner.finish(exit_rec, host)
         except Exception as exc:
@@ -635,7 +686,7 @@ class Runner:
         job = self.store.job(act.job_id)
         cancel = stopped_by == "cancel" or bool(job and job.cancel_requested)
         decision = None
-        if not cancel and stopped_by not in ("shutdown", "vanished") and act.broken is None:
+        if not cancel and stopped_by not in ("shutdown", "vanished", "cancelled_outside") and act.broken is None:
             row = self.store.attempt(act.job_id, act.number)
             this = AttemptRecord(
                 number=act.number, overrides=Overrides.from_dict(row.json("overrides") if row else None),
@@ -669,11 +720,19 @@ class Runner:
                 self.store.update_attempt(act.job_id, act.number, decision=json.dumps({"kind": "cancelled"}))
                 self.store.transition(act.job_id, JobState.CANCELLED, "cancelled by the user")
                 self._notify(act.job_id, "cancelled", "cancelled by the user")
+            elif stopped_by == "cancelled_outside":
+                self.store.update_attempt(act.job_id, act.number, decision=json.dumps(
+                    {"kind": "fail", "reason": "cancelled in Slurm"}))
+                self._fail(act.job_id, f"attempt {act.number} (Slurm job {act.handle.job_id}) was cancelled "
+                                       "in Slurm by someone else (scancel); not started again on its own: "
+                                       f"`oom-supervisor retry {act.job_id}` resumes it")
             elif stopped_by in ("shutdown", "vanished"):
-                cause = "crash" if stopped_by == "vanished" else act.interrupt_cause
+                cause = act.interrupt_cause if act.interrupt_cause.startswith("slurm") else (
+                    "crash" if stopped_by == "vanished" else act.interrupt_cause)
                 self.store.update_attempt(act.job_id, act.number, interrupted=1,
                                           decision=json.dumps({"kind": "interrupted", "cause": cause}))
-                why = ("the supervisor stopped" if cause != "crash" else
+                why = (f"Slurm ended attempt {act.number} ({cause[6:]}): not a failure of the job"
+                       if cause.startswith("slurm") else "the supervisor stopped" if cause != "crash" else
                        f"attempt {act.number} vanished with the daemon (no exit record)")
                 self.store.transition(act.job_id, JobState.INTERRUPTED,
                                       f"{why}; resumes from the last complete checkpoint")
@@ -690,6 +749,15 @@ class Runner:
             act.handle.owner.remove(timeout_s=0.5)
         if act.handle.cgroup is not None and (act.handle.owner is None or act.handle.cgroup.path != act.handle.owner.cgroup):
             act.handle.cgroup.remove(timeout_s=0.5)
+
+    def _slurm_verdict(self, act: Active) -> dict[str, Any] | None:
+        from . import slurm
+
+        st = act.handle.refresh(force=True)
+        if st is None:
+            return None
+        tail = _tail_text(act.paths.log, 64 << 10)
+        return slurm.verdict(st, tail, requested_mem_bytes=act.spec.sup.host_memory_limit)
 
     def _progress(self, act: Active) -> dict[str, Any]:
         out: dict[str, Any] = {"max_step": act.last_step}
@@ -828,6 +896,13 @@ class Runner:
         """The world size the launch really has (pinned ranks, its GPUs, else every visible GPU)."""
         from .llamafactory.launch import launch_fields
 
+        if self.slurm:  # Slurm allocates: GPUs per node from the job's request or the site's default
+            from .slurm import SlurmJobRequest
+
+            req = spec.sup.slurm_request or SlurmJobRequest()
+            settings = self.cfg.slurm_settings
+            gpn = req.gpus_per_node if req.gpus_per_node is not None else settings.gpus_per_node
+            return {"nproc_per_node": max(1, gpn), "gpus": None, "visible_gpu_count": gpn}
         gpus = gpus if gpus is not None else (list(spec.sup.gpus) if spec.sup.gpus else None)
         env = self._environment(spec, {}, gpus)
         return launch_fields(nproc_per_node=spec.sup.nproc_per_node or spec.sup.gpu_count, gpus=gpus, env=env,
@@ -850,8 +925,13 @@ class Runner:
         from .gpus import capacity_for
 
         vm = psutil.virtual_memory()
+        world = spec.world_size
+        if self.slurm:
+            from .slurm import SlurmJobRequest
+
+            world = (spec.sup.slurm_request or SlurmJobRequest()).world_size(self.cfg.slurm_settings)
         return JobContext(
-            id=job.id, name=job.name, kind=spec.kind, config=dict(spec.config), world_size=spec.world_size,
+            id=job.id, name=job.name, kind=spec.kind, config=dict(spec.config), world_size=world,
             max_attempts=spec.sup.max_attempts or 8, host_ram_bytes=vm.total,
             gpu_capacity_bytes=capacity_for(self._gpu_capacities(), spec.sup.gpus),
             torch_version=versions.get("torch"), transformers_version=versions.get("transformers"),
@@ -892,6 +972,9 @@ class Runner:
         paths = self.cfg.state.job(job.id).attempt(attempt.number)
         spec = self.spec_of(job.id)
         tag = self.attempt_tag(job.id, attempt.number)
+        ref = attempt.json("backend_ref") or {}
+        if "slurm" in ref:
+            return self._recover_slurm(job, attempt, paths, spec, ref["slurm"], adopt)
         owner = Owner.for_attempt(self.owner_support, tag, paths.root / "procs.json", create=False)
         cg = None
         if spec.sup.host_memory_limit:
@@ -941,6 +1024,44 @@ class Runner:
         else:
             act.stopped_by = "vanished"  # nothing lives and nothing was written: resume it
         return act
+
+    def _recover_slurm(self, job: JobRow, attempt, paths: AttemptPaths, spec, record: dict, adopt: bool) -> Active:
+        """A Slurm attempt after a restart: followed again by job id, once Slurm confirms it is the
+        same run (a controller restart can relaunch a job under the same id)."""
+        handle = SlurmHandle(str(record["job_id"]), dict(record))
+        output_dir = spec.resolve(spec.config["output_dir"]) if spec.config.get("output_dir") else None
+        act = Active(job_id=job.id, number=attempt.number, paths=paths, handle=handle,
+                     scanner=LogScanner(initial_step=attempt.resumed_from_step), spec=spec, gpus=None,
+                     output_dir=output_dir, hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
+                     last_step=attempt.resumed_from_step)
+        if not handle.same_run():
+            self._event(job.id, "slurm_relaunch_detected",
+                        f"Slurm job {handle.job_id} is not the run attempt {attempt.number} started (relaunched "
+                        "under the same id; its output was truncated): stopping it and resuming from the last "
+                        "complete checkpoint", attempt=attempt.number)
+            act.interrupt_cause = "slurm relaunch"
+            self.stop(act, "vanished", 0.0)
+            return act
+        if job.cancel_requested:
+            self.stop(act, "cancel", self.cfg.stop_grace)
+        elif handle.alive():
+            if adopt:
+                self._event(job.id, "attempt_adopted", f"daemon restarted; attempt {attempt.number} is Slurm job "
+                            f"{handle.job_id} ({handle.state.state if handle.state else 'state unknown'}): "
+                            "following it again", attempt=attempt.number)
+            else:
+                act.interrupt_cause = "restart"
+                self.stop(act, "shutdown", self.cfg.stop_grace)
+        return act
+
+
+def _tail_text(path: Path, n: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - n))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def _ds_of(spec, overrides: Overrides) -> dict | None:

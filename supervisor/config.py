@@ -147,6 +147,9 @@ class DaemonConfig(BaseModel):
     # nvidia-smi, rocm-smi); a list here names them (also a stand-in for tests).
     gpu_devices: list[int] | None = None
     gpu_vendor: str = "auto"
+    # Where attempts run: on this box (local) or each as one Slurm job (slurm:, see slurm.py).
+    backend: str = "local"
+    slurm: dict[str, Any] | None = None
 
     @field_validator("max_log_bytes", mode="before")
     @classmethod
@@ -165,6 +168,28 @@ class DaemonConfig(BaseModel):
         if v not in ("adopt", "stop"):
             raise ValueError("must be 'adopt' (keep following a still-running attempt) or 'stop'")
         return v
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        if v not in ("local", "slurm"):
+            raise ValueError("must be 'local' (attempts run on this box) or 'slurm' (each attempt is an sbatch job)")
+        return v
+
+    @field_validator("slurm")
+    @classmethod
+    def _slurm(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            from .slurm import SlurmSettings
+
+            SlurmSettings.model_validate(v)  # its own strict schema; errors name the key
+        return v
+
+    @property
+    def slurm_settings(self):
+        from .slurm import SlurmSettings
+
+        return SlurmSettings.model_validate(self.slurm or {})
 
     @field_validator("gpu_vendor")
     @classmethod

@@ -369,8 +369,8 @@ class Daemon:
         """(may start now, the GPUs it gets). A job naming GPUs gets those when none is taken; one
         asking for N gets the lowest N free ones of the box; one with neither takes the whole box
         and runs alone (as LLaMA-Factory then uses every visible GPU)."""
-        if job.cancel_requested:
-            return True, None  # start() settles it without running anything
+        if job.cancel_requested or self.runner.slurm:
+            return True, None  # start() settles a cancel; Slurm allocates its own GPUs
         try:
             sup = self.runner.spec_of(job.id).sup
         except Exception:
@@ -402,7 +402,7 @@ class Daemon:
         """A job's attempt waits (bounded, in a worker thread: GPU tools can hang) until the memory
         of the attempt that ran on its GPUs before is given back; then it starts, said either way."""
         last = self.store.last_attempt(job.id)
-        if last is None or job.cancel_requested or self.cfg.vram_release_timeout <= 0:
+        if last is None or job.cancel_requested or self.runner.slurm or self.cfg.vram_release_timeout <= 0:
             return True
         fut = self.vram_waits.get(job.id)
         if fut is None:

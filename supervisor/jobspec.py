@@ -116,6 +116,8 @@ class SupervisorBlock(BaseModel):
     gpu_count: int | None = Field(default=None, ge=1, le=MAX_GPUS)
     # Jobs (ids) that must have succeeded before this one starts (`submit --after JOB`).
     after: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, max_length=100)
+    # With the Slurm backend: nodes, gpus_per_node, mem, time for this job's sbatch (slurm.SlurmJobRequest).
+    slurm: dict[str, Any] | None = None
     nproc_per_node: int | None = Field(default=None, ge=1, le=MAX_GPUS)
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)  # SQLite INTEGER is 64-bit
     max_attempts: int | None = Field(default=None, ge=1, le=100)
@@ -151,6 +153,21 @@ class SupervisorBlock(BaseModel):
                 data = {**data, "gpu_count": v}
                 del data["gpus"]
         return data
+
+    @field_validator("slurm")
+    @classmethod
+    def _slurm(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            from .slurm import SlurmJobRequest
+
+            SlurmJobRequest.model_validate(v)
+        return v
+
+    @property
+    def slurm_request(self):
+        from .slurm import SlurmJobRequest
+
+        return SlurmJobRequest.model_validate(self.slurm) if self.slurm is not None else None
 
     @field_validator("gpus", mode="before")
     @classmethod

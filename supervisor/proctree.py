@@ -123,19 +123,8 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
            rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
            owner: Owner | None = None, max_log_bytes: int | None = None) -> Handle:
     """Write launch.json and start the shim in a new session (no shell)."""
-    paths.root.mkdir(parents=True, exist_ok=True)
-    spec = {
-        "argv": list(argv),
-        "cwd": str(cwd),
-        "env": env,
-        "log": str(paths.log),
-        "exit_record": str(paths.exit_record),
-        "rlimits": rlimits or {},
-        "cgroup_procs": str(cgroup.procs_file) if cgroup else None,
-        "owner_procs": str(owner.procs_file) if owner is not None and owner.procs_file else None,
-        "max_log_bytes": max_log_bytes,
-    }
-    atomic_write_json(paths.launch, spec, mode=0o600)  # the environment may hold tokens
+    write_launch(paths, argv=argv, cwd=cwd, env=env, rlimits=rlimits, cgroup=cgroup, owner=owner,
+                 max_log_bytes=max_log_bytes)
     with open(paths.log, "ab") as log:
         popen = subprocess.Popen(
             [sys.executable, "-m", "supervisor.shim", str(paths.launch)],
@@ -150,6 +139,30 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
     return Handle(popen.pid, create_time, popen, cgroup, owner)
 
 
+def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
+                 rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
+                 owner: Owner | None = None, max_log_bytes: int | None = None) -> Path:
+    """What the shim runs with (it is also what a Slurm job's shim reads)."""
+    paths.root.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "argv": list(argv),
+        "cwd": str(cwd),
+        "env": env,
+        "log": str(paths.log),
+        "exit_record": str(paths.exit_record),
+        "rlimits": rlimits or {},
+        "cgroup_procs": str(cgroup.procs_file) if cgroup else None,
+        "owner_procs": str(owner.procs_file) if owner is not None and owner.procs_file else None,
+        "max_log_bytes": max_log_bytes,
+    }
+    atomic_write_json(paths.launch, spec, mode=0o600)  # the environment may hold tokens
+    return paths.launch
+
+
+def package_root() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
 def _package_root() -> str:
     root = str(Path(__file__).resolve().parent.parent)
     extra = os.environ.get("PYTHONPATH")
@@ -158,12 +171,18 @@ def _package_root() -> str:
 
 def signal_tree(handle: Handle, sig: int = signal.SIGTERM) -> None:
     """Send `sig` to every process of the attempt (not the shim: it forwards and waits)."""
+    if hasattr(handle, "signal_all"):  # an attempt that is not a local tree (a Slurm job)
+        handle.signal_all(sig)
+        return
     _signal(handle.processes(scan=True), sig)
 
 
 def kill_tree(handle: Handle, *, shim_too: bool = False) -> None:
     """SIGKILL every process of the attempt. The shim is spared (it reaps and writes the
     exit record) unless `shim_too`: for a shim that is stuck although its job is gone."""
+    if hasattr(handle, "kill_all"):
+        handle.kill_all(shim_too)
+        return
     shim = handle.shim()
     if handle.owner is not None:
         handle.owner.kill(spare=None if (shim is None or shim_too) else shim.pid)

@@ -440,26 +440,36 @@ def query(job_id: str, *, timeout_s: float = CMD_TIMEOUT_S) -> SlurmJobState | N
 
 _SQUEUE_FIELDS = ("JobID", "State", "Reason", "RestartCnt", "SubmitTime", "StartTime", "EndTime",
                   "NodeList", "BatchHost", "Name")
-_cache: dict[str, Any] = {"at": -math.inf, "key": None, "value": {}}
+# Per job id: when squeue last answered for it and what it said (None: squeue did not know it).
+_seen: dict[str, tuple[float, SlurmJobState | None]] = {}
+_asked: dict[str, float] = {}  # per job id: when a caller last asked (the followed set)
 
 
 def query_many(job_ids: list[str], *, max_age_s: float = POLL_INTERVAL_S,
                timeout_s: float = CMD_TIMEOUT_S) -> dict[str, SlurmJobState]:
     """States of many jobs in one squeue call (jobs it no longer knows are absent: ask `query`).
 
-    No exit codes here (squeue has none worth trusting); cached for max_age_s per id set."""
+    No exit codes here (squeue has none worth trusting). Answers are cached per job for
+    max_age_s, and a refresh asks squeue about every job any caller asked about lately, so
+    one handle per attempt calling query_many([its id]) still costs one squeue per interval."""
     bad = [j for j in job_ids if not str(j).isdigit()]
     if bad:
         raise ValueError(f"not Slurm job ids: {bad[:5]!r}")
-    ids = sorted({str(j) for j in job_ids}, key=int)
-    if not ids:
-        return {}
+    ids = {str(j) for j in job_ids}
     now = time.monotonic()
-    if _cache["key"] == ids and now - _cache["at"] < max_age_s:
-        return dict(_cache["value"])
-    out = _squeue([f"--jobs={','.join(ids)}"], timeout_s)
-    _cache.update(at=now, key=ids, value=out)
-    return dict(out)
+    for j in ids:
+        _asked[j] = now
+    stale = [j for j in ids if j not in _seen or now - _seen[j][0] >= max_age_s]
+    if stale:
+        horizon = max(max_age_s, POLL_INTERVAL_S) * 4
+        for j in [j for j, t in _asked.items() if now - t > horizon]:
+            _asked.pop(j, None)
+            _seen.pop(j, None)
+        batch = sorted(set(_asked) | ids, key=int)
+        got = _squeue([f"--jobs={','.join(batch)}"], timeout_s)
+        for j in batch:
+            _seen[j] = (now, got.get(j))
+    return {j: st for j in ids if (st := _seen[j][1]) is not None}
 
 
 def _squeue(select: list[str], timeout_s: float) -> dict[str, SlurmJobState]:

@@ -82,6 +82,10 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE attempts ADD COLUMN gpus TEXT;
     """,
+    # 3: where the attempt runs when not a local process tree (JSON: {"slurm": submission...}).
+    """
+    ALTER TABLE attempts ADD COLUMN backend_ref TEXT;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -136,6 +140,7 @@ class AttemptRow:
     tokens_per_s: float | None
     interrupted: int
     gpus: str | None = None
+    backend_ref: str | None = None
 
     @classmethod
     def from_row(cls, r: sqlite3.Row) -> AttemptRow:
