@@ -1,0 +1,131 @@
+"""The real daemon with `backend: slurm` over a real single-node Slurm: each attempt is one sbatch
+job; diagnosis, policy and resume are the same as on one box."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from supervisor import slurm as sl
+
+from ..conftest import DaemonProc, command_job, drop, write_config
+
+
+def slurm_daemon(tmp_path: Path, **cfg) -> DaemonProc:
+    conf = write_config(tmp_path / "daemon.yaml", backend="slurm", poll_interval=0.2, stop_grace=5,
+                        slurm={"time_limit": "10m"}, **cfg)
+    return DaemonProc(tmp_path / "state", tmp_path / "spool", conf, tmp_path / "daemon.log")
+
+
+def slurm_job_of(d: DaemonProc, job: int, attempt: int = 1) -> str:
+    ev = next(e for e in d.show(job)["events"] if e["kind"] == "slurm_submitted" and e["attempt"] == attempt)
+    return ev["data"]["slurm_job"]
+
+
+TERM_AWARE = """
+import signal, sys, time
+out = sys.argv[1]
+def bye(*_):
+    open(out, "w").write("got SIGTERM\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+for i in range(int(sys.argv[2])):
+    print("step", i + 1, flush=True)
+    time.sleep(0.2)
+"""
+
+
+def test_a_host_oom_under_mem_is_diagnosed_from_slurms_verdict(slurm, tmp_path):
+    from .conftest import ALLOC
+
+    d = slurm_daemon(tmp_path).start()
+    try:
+        (tmp_path / "work").mkdir(exist_ok=True)
+        (tmp_path / "work" / "alloc.py").write_text(ALLOC)
+        drop(d.spool, "oom.yaml", command_job(tmp_path / "work", [sys.executable, "alloc.py"],
+                                              host_memory_limit="300MiB", max_attempts=1))
+        d.wait_state(1, {"failed", "succeeded", "waiting_retry"}, timeout=180)
+        a = d.show(1)["attempt_list"][0]
+        assert a["diagnosis"]["category"] == "host_oom", a["diagnosis"]
+        st = sl.query(slurm_job_of(d, 1))
+        assert st is not None and st.state in ("OUT_OF_MEMORY", "FAILED", "COMPLETED")
+        started = next(e for e in d.show(1)["events"] if e["kind"] == "attempt_started")
+        assert started["data"]["limit_mechanism"] == "slurm-cgroup"
+        shown = d.cli("show", "1").stdout
+        assert "host_oom" in shown
+    finally:
+        d.stop(signal.SIGTERM, timeout=60)
+
+
+def test_cancel_reaches_the_trainer_as_sigterm_through_slurm(slurm, tmp_path):
+    d = slurm_daemon(tmp_path).start()
+    try:
+        (tmp_path / "work").mkdir(exist_ok=True)
+        (tmp_path / "work" / "term.py").write_text(TERM_AWARE)
+        flag = tmp_path / "work" / "term.txt"
+        drop(d.spool, "c.yaml", command_job(tmp_path / "work", [sys.executable, "term.py", str(flag), "600"]))
+        d.wait_for(lambda: "step 3" in d.cli("logs", "1").stdout, timeout=120, what="running in Slurm")
+        assert d.cli("cancel", "1").returncode == 0
+        d.wait_state(1, "cancelled", timeout=90)
+        assert flag.read_text() == "got SIGTERM\n", "the trainer got SIGTERM, not a SIGKILL of a shell"
+        st = sl.query(slurm_job_of(d, 1))
+        assert st is not None and st.terminal
+    finally:
+        d.stop(signal.SIGTERM, timeout=60)
+
+
+def test_kill9_of_the_daemon_readopts_the_slurm_job(slurm, tmp_path):
+    d = slurm_daemon(tmp_path).start()
+    try:
+        (tmp_path / "work").mkdir(exist_ok=True)
+        (tmp_path / "work" / "term.py").write_text(TERM_AWARE)
+        drop(d.spool, "r.yaml", command_job(tmp_path / "work", [sys.executable, "term.py",
+                                                                 str(tmp_path / "t.txt"), "60"]))
+        d.wait_for(lambda: "step 3" in d.cli("logs", "1").stdout, timeout=120, what="running in Slurm")
+        first_id = slurm_job_of(d, 1)
+        d.kill9()
+        time.sleep(0.5)
+        d.start()
+        d.wait_state(1, "succeeded", timeout=120)
+        shown = d.show(1)
+        assert shown["attempts"] == 1, "re-adopted by job id, not submitted again"
+        assert any(e["kind"] == "attempt_adopted" for e in shown["events"])
+        assert sl.query(first_id).state == "COMPLETED"
+    finally:
+        d.stop(signal.SIGTERM, timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.ml
+def test_the_demo_night_runs_on_slurm(slurm, tmp_path):
+    """The demo's real LLaMA-Factory run, each attempt an sbatch job under --mem: the OOM is the
+    job cgroup's, seen by Slurm, and the night ends the same way as on one box."""
+    from supervisor.demo.run import DEMO_CGROUP_LIMIT, default_launcher, demo_job
+
+    from ..e2e.test_overnight_demo import CACHE, check_night
+
+    if shutil.which(default_launcher()[0]) is None and not Path(default_launcher()[0]).exists():
+        pytest.skip("llamafactory-cli is not installed")
+    root = tmp_path / "demo"
+    (root / "work").mkdir(parents=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    (root / "cache").symlink_to(CACHE)
+    job = demo_job(root, memory_limit=DEMO_CGROUP_LIMIT, launcher=default_launcher())
+    d = slurm_daemon(tmp_path).start()
+    try:
+        drop(d.spool, "demo.yaml", yaml.safe_dump(job))
+        d.wait_state(1, {"succeeded", "failed"}, timeout=900)
+        check_night(d, job, mechanism="slurm-cgroup")
+        first = d.show(1)["attempt_list"][0]
+        assert first["diagnosis"]["numbers"].get("scheduler_state") in ("OUT_OF_MEMORY", None) or \
+            first["exit"]["signal"] == "SIGKILL"
+    finally:
+        d.stop(signal.SIGTERM, timeout=60)
+    assert os.environ.get("SLURM_CONF")
