@@ -463,6 +463,18 @@ def learned_figures(policy, scenario: str = "base") -> dict:
     out["without"] = {"cases": len(cases), "first_attempt_fit": round(sum(without_fit) / len(cases), 3),
                       "cost_median": round(statistics.median(without_cost), 3),
                       "cost_p90": round(pct(without_cost, 0.9), 3)}
+    # The estimator alone as a first-attempt plan (what learning corrects): its fastest
+    # configuration predicted to fit, no observations.
+    fit, cost = [], []
+    for case in cases:
+        pred = learn.predict(context_of(case), policy, [])
+        chosen = pred.chosen if pred else None
+        r = run_case(case, policy, chosen.overrides if chosen else None)
+        fit.append(bool(r.get("first_fit")))
+        if r["fit"]:
+            cost.append(best_feasible(case)[1] / throughput(case, r["config"]))
+    out["estimator_only"] = {"cases": len(cases), "first_attempt_fit": round(sum(fit) / len(cases), 3),
+                             "cost_median": round(statistics.median(cost), 3), "cost_p90": round(pct(cost, 0.9), 3)}
     for how in ("same_job", "other_seq", "sibling"):
         fit, cost, n, reasons = [], [], 0, []
         for case in cases:

@@ -311,7 +311,7 @@ def configurations(ctx: JobContext, policy: Policy, observed: Iterable[Overrides
     diag, mem = Diagnosis(Category.GPU_OOM, "learned plan"), R.Memory()
     ladder = set(policy.ladder)
     bases = [Overrides()]
-    if "grad_checkpointing" in ladder and not R.view_of(ctx, Overrides()).gc_on:
+    if "grad_checkpointing" in ladder:  # on when off; else checkpoints in host RAM where allowed
         r = R.grad_checkpointing(ctx, Overrides(), diag, policy, mem)
         if isinstance(r, R.Applied):
             bases.append(r.overrides)
@@ -380,25 +380,33 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
         pg, ph = predict_gpu(ctx, ov), predict_host(ctx, ov)
         sig = setup_of(memory_key(ctx, ov), ov)
         gc_, hc_ = correction(key, observations, "gpu", sig), correction(key, observations, "host", sig)
-        if hc_.basis and not hc_.same_setup and not hc_.bounded_by_oom and on_gpu(ctx):
-            # A GPU run's host use under one setup (a fixed base) says little about offloaded
-            # states under another: the estimator's DeepSpeed formula stands there.
+        same_states = any(setup_of(o.key, o.overrides)[1:4] == sig[1:4] for o in hc_.basis if o.outcome == "fit")
+        if hc_.basis and not same_states and not hc_.bounded_by_oom and on_gpu(ctx):
+            # A GPU run's host use under one ZeRO/offload setup (a fixed base) says little about
+            # offloaded states under another: the estimator's DeepSpeed formula stands there.
             hc_ = Correction(1.0, None, ())
         gpu = int(pg * gc_.k) if pg is not None else None
         host = int(ph * hc_.k) if ph is not None else None
         used = gc_ if gc_.basis else hc_
-        margin = MARGINS.get(used.tier or "", 0.0) + (0.0 if used.same_setup or not used.basis else SETUP_MARGIN)
+
+        def margin_of(c: Correction) -> float:
+            """No basis: the estimator's own number (DeepSpeed's host formula carries its 1.5x)."""
+            return MARGINS.get(c.tier or "", 0.0) + (0.0 if c.same_setup else SETUP_MARGIN) if c.basis else 0.0
+
+        m_gpu, m_host = margin_of(gc_), margin_of(hc_)
+        margin = m_gpu if pg is not None else m_host
         source = "predicted"
         g_lim, h_lim = gpu_limit, host_limit
         if seen is not None:
             # It ran to the end of its work: the whole GPU / budget is the limit it proved.
             gpu = seen.gpu_peak if seen.gpu_peak is not None else gpu
             host = seen.host_peak if seen.host_peak is not None else host
-            margin, source = MARGINS["same_config"], "observed"
+            margin = m_gpu = m_host = MARGINS["same_config"]
+            source = "observed"
             g_lim = ctx.gpu_capacity_bytes if on_gpu(ctx) else None
             h_lim = budget or None
-        fits = all(need is None or limit is None or need * (1 + margin) <= limit
-                   for need, limit in ((gpu, g_lim), (host, h_lim)))
+        fits = all(need is None or limit is None or need * (1 + m) <= limit
+                   for need, limit, m in ((gpu, g_lim, m_gpu), (host, h_lim, m_host)))
         cands.append(Candidate(ov, label(ctx, ov), gpu, host, margin, source, fits, sp, used.k))
     return Prediction(tuple(cands), gpu_c, host_c, gpu_limit, host_limit, tuple(same))
 

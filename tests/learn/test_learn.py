@@ -199,3 +199,27 @@ def test_host_use_without_offload_does_not_inflate_offload_or_refuse_the_job():
     offload = next(c for c in pred.candidates if "ZeRO-3" in c.label)
     assert offload.host_need == L.predict_host(ctx, offload.overrides)
     assert L.infeasible(ctx, POLICY, [seen]) is None
+
+
+def test_offload_host_need_from_the_estimator_alone_gets_no_learned_margin():
+    """Found by bench_policy --learned: the GPU margin was put on the host estimate too, so a
+    ZeRO-3 offload whose (uncorrected, already 1.5x-buffered) host need fits was refused."""
+    base = gpu_job(micro=8, accum=2, params=8_000_000_000,
+                   shape={"hidden_size": 4096, "num_layers": 32, "vocab_size": 128256})
+    base = dataclasses.replace(base, largest_layer_params=525_000_000)
+    off = R.zero3_offload_param(base, Overrides(), host_oom(), POLICY, R.Memory())
+    host = L.predict_host(base, off.overrides)
+    ctx = dataclasses.replace(base, host_ram_bytes=int(host * 1.03 / (0.95 * 0.9)))
+    seen = L.observation(ctx, split(ctx, 1), None, succeeded=True, peak=L.GpuPeak(20 * GiB, 19 * GiB, None, None, 1),
+                         peak_rss_bytes=6 * GiB)
+    pred = L.predict(ctx, POLICY, [seen])
+    c = next(c for c in pred.candidates if c.overrides == off.overrides)
+    assert c.host_need == host and c.fits
+
+
+def test_candidates_include_checkpoints_in_host_ram_when_checkpointing_is_already_on():
+    """Found by bench_policy --learned: with checkpointing on (LLaMA-Factory's default) the
+    start candidates lacked use_unsloth_gc, so a night that fit with it had no same-setup twin."""
+    ctx = gpu_job(micro=8, accum=2)
+    labels = [L.label(ctx, ov) for ov in L.configurations(ctx, POLICY)]
+    assert "8x2 + checkpoints in host RAM" in labels and "2x8 + checkpoints in host RAM" in labels
