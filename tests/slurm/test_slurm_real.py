@@ -229,6 +229,20 @@ def test_query_many_is_cached_for_its_max_age(slurm, tmp_path):
     assert sl.query_many([sub.job_id], max_age_s=0)[sub.job_id].state == "COMPLETED"
 
 
+def test_query_many_one_squeue_serves_every_handle(slurm, tmp_path):
+    """Handles that each ask for their own job: the answers are cached per job, so asking for
+    A, then B, then A again costs no squeue for the second A (one id-set cache re-asked)."""
+    hold = sl.SlurmSettings(extra_args=["--hold"])
+    a, _ = go(tmp_path, ["true"], "share-a", request=sl.SlurmJobRequest(mem="100M"), settings=hold)
+    b, _ = go(tmp_path, ["true"], "share-b", request=sl.SlurmJobRequest(mem="100M"), settings=hold)
+    assert sl.query_many([b.job_id], max_age_s=0)[b.job_id].state == "PENDING"
+    assert sl.query_many([a.job_id], max_age_s=0)[a.job_id].state == "PENDING"  # squeue for a and b
+    subprocess.run(["scontrol", "release", b.job_id], check=True, timeout=30)
+    wait_terminal(b.job_id)
+    assert sl.query_many([b.job_id], max_age_s=60)[b.job_id].state == "PENDING"  # cached: no squeue
+    sl.cancel(a.job_id, hard=True, kill_now=True)
+
+
 def test_multinode_script_runs_one_task_per_node_with_llamafactory_names(slurm, tmp_path):
     """Multi-node itself is only reasoned (one node here); the script's srun wiring is run for
     real on a one-node allocation: NNODES=1, NODE_RANK=0, MASTER_ADDR = the first host."""
