@@ -9,13 +9,25 @@ is `supervisor.policy.learn`; this module only stores, reads and queries.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
-from .models import Diagnosis, JobContext, Overrides
-from .policy.learn import GpuPeak, Observation, memory_key, observation, parse_peak_file
+from .models import Diagnosis, HostEvidence, JobContext, Overrides
+from .policy.learn import (
+    GpuPeak,
+    Observation,
+    infeasible,
+    initial_overrides,
+    memory_key,
+    observation,
+    parse_peak_file,
+)
+from .policy.schema import Policy
+
+log = logging.getLogger(__name__)
 
 FILE_NAME = "observations.sqlite3"
 MAX_ROWS = 10_000
@@ -131,3 +143,42 @@ def load_for(state_root: str | Path, ctx: JobContext) -> Sequence[Observation]:
         return []
     with ObservationStore(path) as store:
         return store.similar(ctx)
+
+
+# --- the three calls the daemon edge makes (each opens, uses and closes the file; never raises:
+# a cache that cannot be read or written costs the learning, never a job or a verdict) ----------
+
+def record_finished(state_root: str | Path, ctx: JobContext, ov: Overrides, diagnosis: Diagnosis | None, *,
+                    succeeded: bool, max_step: int | None, resumed_from_step: int | None,
+                    peak_file: str | Path | None, host: HostEvidence | None, job: str = "", attempt: int = 0,
+                    time: float = 0.0, deepspeed_version: str | None = None) -> Observation | None:
+    """After the verdict's transaction: store what the attempt used (None when nothing, or on error)."""
+    try:
+        with ObservationStore.in_state(state_root) as store:
+            return record_attempt(store, ctx, ov, diagnosis, succeeded=succeeded, max_step=max_step,
+                                  resumed_from_step=resumed_from_step, peak_file=peak_file,
+                                  peak_rss_bytes=host.peak_rss_bytes if host else None,
+                                  memory_limit_bytes=host.memory_limit_bytes if host else None,
+                                  deepspeed_version=deepspeed_version, job=job, attempt=attempt, time=time)
+    except (OSError, sqlite3.Error, ValueError) as exc:
+        log.warning("observation of job %s attempt %s not recorded: %s", job, attempt, exc)
+        return None
+
+
+def first_attempt(state_root: str | Path, ctx: JobContext, policy: Policy) -> tuple[Overrides, str | None]:
+    """When a job's FIRST attempt is prepared: learn.initial_overrides over the stored observations."""
+    try:
+        obs = load_for(state_root, ctx)
+    except (OSError, sqlite3.Error) as exc:
+        log.warning("observations unreadable, first attempt as submitted: %s", exc)
+        return Overrides(), None
+    return initial_overrides(ctx, policy, obs)
+
+
+def refusal(state_root: str | Path, ctx: JobContext, policy: Policy) -> str | None:
+    """At submit: learn.infeasible over the stored observations (None: submit it)."""
+    try:
+        obs = load_for(state_root, ctx)
+    except (OSError, sqlite3.Error):
+        obs = []
+    return infeasible(ctx, policy, obs)

@@ -13,7 +13,7 @@ from supervisor.models import Overrides
 from supervisor.policy import learn as L
 from supervisor.policy import rungs as R
 
-from .builders import POLICY, GiB, cpu_job, demo_night, gpu_job, split
+from .builders import POLICY, GiB, cpu_job, demo_night, gpu_job, host_oom, split
 
 HOOK_DIR = Path(__file__).resolve().parents[2] / "supervisor" / "hooks" / "startup"
 
@@ -87,3 +87,31 @@ def test_similar_filters_by_gpu_world_and_finetuning(tmp_path):
                           (a.gpu_capacity_bytes,))
         assert [o.key["gpu_capacity"] for o in store.similar(a)] == [a.gpu_capacity_bytes]
         assert [o.key["gpu_capacity"] for o in store.similar(b)] == [b.gpu_capacity_bytes]
+
+
+def test_the_three_daemon_calls_round_trip_and_never_raise(tmp_path):
+    from supervisor.models import HostEvidence
+
+    ctx = cpu_job()
+    state = tmp_path / "state"
+    assert O.first_attempt(state, ctx, POLICY) == (Overrides(), None)  # no file yet
+    limit = ctx.host_memory_limit_bytes
+    for n, (micro, ok) in enumerate(((16, False), (8, False), (4, True)), 1):
+        got = O.record_finished(state, ctx, split(ctx, micro), None if ok else host_oom(), succeeded=ok,
+                                max_step=30 if ok else 3, resumed_from_step=None,
+                                peak_file=tmp_path / "attempt" / "gpu_peak.json",  # a CPU run writes none
+                                host=HostEvidence(peak_rss_bytes=int(1.32 * GiB) if ok else int(1.8 * GiB),
+                                                  memory_limit_bytes=limit),
+                                job="demo", attempt=n, time=float(n))
+        assert got is not None and got.outcome == ("fit" if ok else "host_oom")
+    ov, reason = O.first_attempt(state, ctx, POLICY)
+    assert R.view_of(ctx, ov).micro == 4 and "4x4 fit (peak 1.32 GiB of 1.91 GiB)" in reason
+    assert O.refusal(state, ctx, POLICY) is None
+    # A state folder that is not a database: the learning is lost, the job is not.
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / O.FILE_NAME).write_text("not sqlite" * 100)
+    assert O.record_finished(bad, ctx, Overrides(), None, succeeded=True, max_step=1, resumed_from_step=0,
+                             peak_file=None, host=None) is None
+    assert O.first_attempt(bad, ctx, POLICY) == (Overrides(), None)
+    assert O.refusal(bad, ctx, POLICY) is None
