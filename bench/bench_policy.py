@@ -42,7 +42,15 @@ Host memory of offload is DeepSpeed's accounting (fp32 master weights, gradients
 of DeepSpeed's own 1.5x estimate, consistent with the reported host OOM of a job estimated at
 ~156 GiB on a 128 GiB box.
 
-    python bench/bench_policy.py [--policy default] [--json] [--scenario NAME]
+With `--learned`, each scenario also reports learned plans (supervisor/policy/learn.py): the
+first-attempt fit rate and the cost (best feasible throughput / that of the configuration the
+job ends at, >= 1) without observations (the job as submitted, climbing the ladder), with the
+estimator alone as a first-attempt plan, and after ONE night of a job of the same kind: the same
+job (`same_job`), the same model at another cutoff_len (`other_seq`), the nearest model size with
+the same vocabulary (`sibling`). The night's observations are built by `learn.observation` from
+the simulator's truth (a fit's true peak; an OOM's diagnosis, a lower bound).
+
+    python bench/bench_policy.py [--policy default] [--json] [--scenario NAME] [--learned]
 """
 
 from __future__ import annotations
