@@ -17,6 +17,7 @@ from typing import Self
 
 from .models import Diagnosis, HostEvidence, JobContext, Overrides
 from .policy.learn import (
+    GPU_CAPACITY_TOLERANCE,
     GpuPeak,
     Observation,
     infeasible,
@@ -103,13 +104,20 @@ class ObservationStore:
                 for (b,) in self._db.execute("SELECT body FROM observations ORDER BY id")]
 
     def similar(self, ctx: JobContext) -> list[Observation]:
-        """Observations that may bear on `ctx` (same fine-tuning type, GPU capacity and world
-        size: the fields every tier of learn.tier() shares), oldest first."""
+        """Observations that may bear on `ctx` (same fine-tuning type and world size, a GPU of the
+        same capacity within learn.same_gpu's tolerance: what every tier of learn.tier() shares),
+        oldest first."""
         key = memory_key(ctx, Overrides())
+        cap = key["gpu_capacity"]
+        if cap is None:
+            where, args = "gpu_capacity IS NULL", ()
+        else:
+            tol = int(cap * GPU_CAPACITY_TOLERANCE)
+            where, args = "gpu_capacity BETWEEN ? AND ?", (cap - tol, cap + tol)
         rows = self._db.execute(
-            "SELECT body FROM observations WHERE finetuning_type IS ? AND gpu_capacity IS ? AND world_size IS ?"
+            f"SELECT body FROM observations WHERE finetuning_type IS ? AND world_size IS ? AND {where}"
             " ORDER BY id DESC LIMIT ?",
-            (key["finetuning_type"], key["gpu_capacity"], key["world_size"], QUERY_LIMIT)).fetchall()
+            (key["finetuning_type"], key["world_size"], *args, QUERY_LIMIT)).fetchall()
         out = []
         for (body,) in reversed(rows):
             try:

@@ -199,12 +199,24 @@ def observation(ctx: JobContext, ov: Overrides, diagnosis: Diagnosis | None, *, 
 
 # --- matching and correction ---------------------------------------------------------------
 
+GPU_CAPACITY_TOLERANCE = 0.02  # probes differ (nvidia-smi MiB, sysfs, torch): 80 GiB vs 79.6 GiB is one GPU
+
+
+def same_gpu(a: int | None, b: int | None) -> bool:
+    """The same GPU capacity (both None: a CPU run), within the probes' rounding."""
+    if a is None or b is None:
+        return a is None and b is None
+    return abs(a - b) <= GPU_CAPACITY_TOLERANCE * max(a, b)
+
+
 def tier(target: Mapping[str, Any], seen: Mapping[str, Any]) -> str | None:
     """How close an observation's kind is to the job's: a TIER_ORDER name, or None (unrelated)."""
     a, b = kind_of(target), kind_of(seen)
-    for f in ("finetuning_type", "gpu_capacity", "world_size", "packing"):
+    for f in ("finetuning_type", "world_size", "packing"):
         if a.get(f) != b.get(f):
             return None
+    if not same_gpu(a.get("gpu_capacity"), b.get("gpu_capacity")):
+        return None
     same_model = all(a.get(f) == b.get(f) for f in ("params", "hidden_size", "num_layers", "vocab_size"))
     if same_model and a.get("cutoff_len") == b.get("cutoff_len"):
         # An unknown version (plan, without probing the job's environment) is no difference.

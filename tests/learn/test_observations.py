@@ -115,3 +115,14 @@ def test_the_three_daemon_calls_round_trip_and_never_raise(tmp_path):
                              peak_file=None, host=None) is None
     assert O.first_attempt(bad, ctx, POLICY) == (Overrides(), None)
     assert O.refusal(bad, ctx, POLICY) is None
+
+
+def test_the_same_gpu_probed_a_little_differently_is_one_kind(tmp_path):
+    """nvidia-smi's MiB, sysfs and torch's total_memory differ by a fraction of a percent; plan's
+    --gpu-memory 80 and the daemon's probed 79.6 GiB must find the same observations."""
+    probed, said = gpu_job(cap_gib=79.6), gpu_job(cap_gib=80)
+    with O.ObservationStore(tmp_path / O.FILE_NAME) as store:
+        store.add(L.observation(probed, split(probed, 4), None, succeeded=True,
+                                peak=L.GpuPeak(30 * GiB, 29 * GiB, None, None, 1)))
+        assert len(store.similar(said)) == 1 and len(store.similar(gpu_job(cap_gib=94))) == 0
+        assert L.tier(L.memory_key(said, Overrides()), store.similar(said)[0].key) == "same_kind"
