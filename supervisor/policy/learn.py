@@ -417,6 +417,10 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
             source = "observed"
             g_lim = ctx.gpu_capacity_bytes if on_gpu(ctx) else None
             h_lim = budget or None
+            if seen.host_limit and budget and budget >= seen.host_limit:
+                # It ran under this limit (or a tighter one): its sampled RSS, which counts shared
+                # pages an RLIMIT_DATA limit does not, may exceed the limit without meaning anything.
+                h_lim = None
         fits = all(need is None or limit is None or need * (1 + m) <= limit
                    for need, limit, m in ((gpu, g_lim, m_gpu), (host, h_lim, m_host)))
         cands.append(Candidate(ov, label(ctx, ov), gpu, host, margin, source, fits, sp, used.k))

@@ -223,3 +223,16 @@ def test_candidates_include_checkpoints_in_host_ram_when_checkpointing_is_alread
     ctx = gpu_job(micro=8, accum=2)
     labels = [L.label(ctx, ov) for ov in L.configurations(ctx, POLICY)]
     assert "8x2 + checkpoints in host RAM" in labels and "2x8 + checkpoints in host RAM" in labels
+
+
+def test_a_fit_under_the_same_host_limit_is_trusted_even_with_rss_above_it():
+    """RLIMIT_DATA counts private writable memory; the sampled RSS also counts torch's shared
+    pages, so the demo's 4x4 can fit its 1.91 GiB limit with 2.1 GiB RSS."""
+    ctx = cpu_job()
+    obs = demo_night(ctx)
+    obs[-1] = dataclasses.replace(obs[-1], host_peak=int(2.1 * GiB))
+    ov, reason = L.initial_overrides(ctx, POLICY, obs)
+    assert ov == split(ctx, 4) and "starting at 4x4 (observed to fit)" in reason
+    # Under a tighter limit than it ran with, the numbers decide again.
+    tighter = dataclasses.replace(ctx, host_memory_limit_bytes=int(1.5 * GiB))
+    assert L.initial_overrides(tighter, POLICY, obs)[0] != split(ctx, 4)
