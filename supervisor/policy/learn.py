@@ -14,6 +14,7 @@ margin that grows with the distance of the evidence (MARGINS).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from ..models import Category, Diagnosis, JobContext, Overrides
 from . import rungs as R
 from . import search as S
-from .estimate import model_states
+from .estimate import Setup, model_states
 from .schema import Policy
 
 GiB = 1 << 30
@@ -502,8 +503,11 @@ def infeasible(ctx: JobContext, policy: Policy, observations: Sequence[Observati
         if c.source == "observed":
             return None  # it ran
         gpu_ok = c.gpu_need is None or cap is None or c.gpu_need <= cap
-        host_ok = c.host_need is None or budget is None or c.host_need <= budget
-        ok.append((gpu_ok and host_ok, c))
+        # HOST_BASE is a lead, not a measurement: uncorrected, only the states' formula refuses.
+        host = c.host_need - HOST_BASE if c.host_need is not None and on_gpu(ctx) and c.k == 1.0 \
+            and not pred.host.basis else c.host_need
+        host_ok = host is None or budget is None or host <= budget
+        ok.append((gpu_ok and host_ok, dataclasses.replace(c, host_need=host)))
     if not ok or any(f for f, _ in ok):
         return None
     lowest_gpu = min((c for _, c in ok if c.gpu_need is not None), key=lambda c: c.gpu_need or 0, default=None)
@@ -512,9 +516,16 @@ def infeasible(ctx: JobContext, policy: Policy, observations: Sequence[Observati
     if lowest_gpu is not None and cap:
         parts.append(f"the least GPU memory any reachable configuration needs is ~{_gib(lowest_gpu.gpu_need)} "
                      f"({lowest_gpu.label}, host ~{_gib(lowest_gpu.host_need)}) of the {_gib(cap)} GPU")
-    if lowest_host is not None and budget:
+    if lowest_host is not None and budget and (lowest_host.host_need or 0) > budget:
         parts.append(f"the least host RAM is ~{_gib(lowest_host.host_need)} ({lowest_host.label}) of the "
                      f"~{_gib(budget)} the job may use ({R.host_budget_source(ctx, policy)})")
+    if not any("ZeRO-3 parameter" in c.label for _, c in ok) and ctx.param_count:
+        # The rung refused itself (its host need over the budget): say by how much.
+        v = R.view_of(ctx, Overrides())
+        lil = ctx.largest_layer_params or ctx.param_count // 40
+        _, need = model_states(ctx.param_count, lil, ctx.launched_world_size(),
+                               Setup(3, True, True, v.setup.trainable_fraction))
+        parts.append(f"ZeRO-3 parameter offload would need ~{_gib(need)} host RAM")
     k = pred.gpu if pred.gpu.basis else pred.host
     basis = (f"estimator corrected x{k.k:.2f} by {len(k.basis)} observation(s)" if k.basis
              else "the estimator alone")

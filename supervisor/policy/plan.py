@@ -56,13 +56,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy-dir", type=Path, action="append", default=[],
                         help="where named policies live (repeatable; the shipped ones are always searched)")
     parser.add_argument("--gpu-memory", type=float, metavar="GIB", help="GPU capacity to judge fit against")
+    parser.add_argument("--host-memory", type=float, metavar="GIB",
+                        help="host RAM to judge offload and refusal against (default: the job's host_memory_limit)")
     parser.add_argument("--observations", type=Path, metavar="FILE",
                         help="learned observations (default: observations.sqlite3 in the state folder)")
     parser.add_argument("--deepspeed-estimator", action="store_true",
                         help="also print DeepSpeed's own ZeRO-3 estimates (imports deepspeed, slow)")
 
 
-def _context(spec: Any, shape: ModelShape | None, gpu_gib: float | None) -> JobContext:
+def _context(spec: Any, shape: ModelShape | None, gpu_gib: float | None,
+             host_gib: float | None = None) -> JobContext:
     ds = spec.config.get("deepspeed")
     ds_cfg = ds if isinstance(ds, dict) else None
     if isinstance(ds, str):
@@ -73,6 +76,7 @@ def _context(spec: Any, shape: ModelShape | None, gpu_gib: float | None) -> JobC
     return JobContext(id=0, name=spec.name, kind=spec.kind, config=spec.config, world_size=spec.world_size,
                       nproc_per_node=spec.sup.nproc_per_node, gpus=tuple(spec.sup.gpus) if spec.sup.gpus else None,
                       max_attempts=spec.sup.max_attempts or 8, host_memory_limit_bytes=spec.sup.host_memory_limit,
+                      host_ram_bytes=int(host_gib * GiB) if host_gib else None,
                       **context_fields(shape), gpu_capacity_bytes=int(gpu_gib * GiB) if gpu_gib else None, deepspeed_config=ds_cfg)
 
 
@@ -99,8 +103,8 @@ def _numbers(ctx: JobContext, ov: Overrides, shape: ModelShape | None) -> dict[s
 
 
 def build_plan(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None,
-               observations: Sequence[learn.Observation] = ()) -> list[dict[str, Any]]:
-    ctx = _context(spec, shape, gpu_gib)
+               observations: Sequence[learn.Observation] = (), host_gib: float | None = None) -> list[dict[str, Any]]:
+    ctx = _context(spec, shape, gpu_gib, host_gib)
     history: list[AttemptRecord] = []
     attempt_dir = Path("<attempt_dir>")
     ov, why = learn.initial_overrides(ctx, policy, observations)
@@ -141,9 +145,9 @@ def _learned_numbers(c: learn.Candidate) -> dict[str, Any]:
 
 
 def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None,
-                    observations: Sequence[learn.Observation]) -> dict[str, Any] | None:
+                    observations: Sequence[learn.Observation], host_gib: float | None = None) -> dict[str, Any] | None:
     """The prediction, the observations it came from and the margin (None without a shape)."""
-    ctx = _context(spec, shape, gpu_gib)
+    ctx = _context(spec, shape, gpu_gib, host_gib)
     pred = learn.predict(ctx, policy, observations)
     if pred is None:
         return None
@@ -206,9 +210,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     model = spec.config.get("model_name_or_path")
     shape = read_model_shape(spec.resolve(model)) if model else None
-    observations = _observations(args, _context(spec, shape, args.gpu_memory))
-    steps = build_plan(spec, policy, shape, args.gpu_memory, observations)
-    learned = learned_summary(spec, policy, shape, args.gpu_memory, observations)
+    host_gib = getattr(args, "host_memory", None)
+    observations = _observations(args, _context(spec, shape, args.gpu_memory, host_gib))
+    steps = build_plan(spec, policy, shape, args.gpu_memory, observations, host_gib)
+    learned = learned_summary(spec, policy, shape, args.gpu_memory, observations, host_gib)
     from ..llamafactory.validate import config_warnings
 
     warnings = [str(w) for w in config_warnings(spec.config)] if spec.kind == "llamafactory" else []

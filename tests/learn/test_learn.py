@@ -236,3 +236,12 @@ def test_a_fit_under_the_same_host_limit_is_trusted_even_with_rss_above_it():
     # Under a tighter limit than it ran with, the numbers decide again.
     tighter = dataclasses.replace(ctx, host_memory_limit_bytes=int(1.5 * GiB))
     assert L.initial_overrides(tighter, POLICY, obs)[0] != split(ctx, 4)
+
+
+def test_a_small_gpu_job_under_a_tight_host_limit_is_not_refused_on_a_guess():
+    """Found with plan: HOST_BASE (a lead for Python + torch + the runtime) counted in the refusal,
+    so a 5M-parameter GPU job under a 1.91 GiB host limit was 'refused at submit'."""
+    ctx = dataclasses.replace(gpu_job(params=5_000_000, shape={"hidden_size": 256, "num_layers": 4,
+                                                               "vocab_size": 4000}),
+                              largest_layer_params=1_000_000, host_memory_limit_bytes=int(1.91 * GiB))
+    assert L.infeasible(ctx, POLICY, []) is None

@@ -80,3 +80,21 @@ def test_plan_without_observations_says_the_estimator_alone(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "learned: no observations of a similar run; the estimator alone" in res.stdout
     assert " 1. as submitted" in res.stdout
+
+
+LLAMA70B = {"hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672, "vocab_size": 128256,
+            "num_attention_heads": 64, "num_key_value_heads": 8}
+
+
+def test_plan_says_a_job_the_box_cannot_run_would_be_refused(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA70B))
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("  host_memory_limit: 2000000KiB\n", ""))
+    res = _cli(str(job), "--state-dir", str(tmp_path / "state"), "--gpu-memory", "24", "--host-memory", "128")
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.startswith("refused at submit: "))
+    assert "cannot run on this box" in line and "of the 24.00 GiB GPU" in line and "host RAM" in line
+    # With the RAM a big box has, ZeRO-3 parameter offload makes it possible: no refusal.
+    ok = _cli(str(job), "--state-dir", str(tmp_path / "state"), "--gpu-memory", "24", "--host-memory", "2048")
+    assert "refused at submit" not in ok.stdout
