@@ -62,6 +62,8 @@ def main() -> int:
     for name, text in rep.explanations.items():
         if name in rep.twice or name in rep.not_terminal or problems:
             print(f"\n{name}:\n{text}")
+        else:  # failed with a reason: say which
+            print(f"{name}: {text.splitlines()[0][:300]}")
     if not a.keep:
         shutil.rmtree(root, ignore_errors=True)
     return 1 if problems else 0
