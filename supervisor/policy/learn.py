@@ -179,6 +179,8 @@ def observation(ctx: JobContext, ov: Overrides, diagnosis: Diagnosis | None, *, 
         "key": key, "overrides": ov.to_dict(), "gpu_total": gpu_total, "gpu_name": peak.name if peak else None,
         "host_limit": memory_limit_bytes, "predicted_gpu": predict_gpu(ctx, ov),
         "predicted_host": predict_host(ctx, ov), "job": job, "attempt": attempt, "time": time}
+    if cat == Category.GPU_OOM and (diagnosis.numbers.get("held_by_others") or 0) >= GiB:
+        return None  # other processes' memory: it says nothing about this configuration
     if cat == Category.GPU_OOM:
         lb = S._observed_demand(diagnosis, ctx.gpu_capacity_bytes)
         if lb is not None:

@@ -245,3 +245,13 @@ def test_a_small_gpu_job_under_a_tight_host_limit_is_not_refused_on_a_guess():
                                                                "vocab_size": 4000}),
                               largest_layer_params=1_000_000, host_memory_limit_bytes=int(1.91 * GiB))
     assert L.infeasible(ctx, POLICY, []) is None
+
+
+def test_an_oom_caused_by_other_processes_memory_is_not_the_configurations():
+    """decide() waits out such an OOM with the job unchanged; recorded as this configuration's
+    OOM it would make the next submission start lower than needed."""
+    ctx = gpu_job(micro=8, accum=2)
+    cap = ctx.gpu_capacity_bytes
+    d = gpu_oom(cap, cap - GiB // 4, 2 * GiB)
+    d = dataclasses.replace(d, numbers={**d.numbers, "held_by_others": 14 * GiB})
+    assert L.observation(ctx, Overrides(), d, succeeded=False) is None
