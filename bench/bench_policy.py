@@ -471,6 +471,12 @@ def learned_figures(policy, scenario: str = "base") -> dict:
     out["without"] = {"cases": len(cases), "first_attempt_fit": round(sum(without_fit) / len(cases), 3),
                       "cost_median": round(statistics.median(without_cost), 3),
                       "cost_p90": round(pct(without_cost, 0.9), 3)}
+    # Refusal at submit (learn.infeasible, no observations): a feasible job refused is a false refusal.
+    every = list(cases_for(scenario))
+    refused = [(best_feasible(c) is not None, learn.infeasible(context_of(c), policy, [])) for c in every]
+    out["refusal"] = {"feasible_refused": sum(1 for f, why in refused if f and why),
+                      "infeasible_refused": sum(1 for f, why in refused if not f and why),
+                      "infeasible": sum(1 for f, _ in refused if not f)}
     # The estimator alone as a first-attempt plan (what learning corrects): its fastest
     # configuration predicted to fit, no observations.
     fit, cost = [], []

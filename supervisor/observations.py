@@ -4,6 +4,15 @@ A file of its own, not the job record: it is a bounded cache (MAX_ROWS, oldest d
 be deleted at any time without losing a job, and is written after the verdict's transaction
 so a failure here never touches a verdict. The pure part (record, key, correction, choice)
 is `supervisor.policy.learn`; this module only stores, reads and queries.
+
+The daemon edge makes three calls (each opens and closes the file, none raises):
+  * `record_finished(state_root, ctx, overrides, diagnosis, succeeded=, max_step=,
+    resumed_from_step=, peak_file=<attempt dir>/gpu_peak.json, host=HostEvidence, job=, attempt=,
+    time=)` after an attempt's verdict is committed (the hook writes the peak file when the
+    attempt's environment has OOM_SUPERVISOR_PEAK_FILE=<that path>);
+  * `first_attempt(state_root, ctx, policy) -> (Overrides, reason | None)` when attempt 1 is
+    prepared: run with those overrides, record the reason with the attempt;
+  * `refusal(state_root, ctx, policy) -> str | None` at submit: a str refuses the job with it.
 """
 
 from __future__ import annotations

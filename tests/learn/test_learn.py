@@ -255,3 +255,25 @@ def test_an_oom_caused_by_other_processes_memory_is_not_the_configurations():
     d = gpu_oom(cap, cap - GiB // 4, 2 * GiB)
     d = dataclasses.replace(d, numbers={**d.numbers, "held_by_others": 14 * GiB})
     assert L.observation(ctx, Overrides(), d, succeeded=False) is None
+
+
+@settings(max_examples=80, deadline=None)
+@given(fit_ratios=st.lists(st.floats(0.2, 3.0), min_size=0, max_size=3),
+       oom_ratios=st.lists(st.floats(0.2, 3.0), min_size=0, max_size=3), extra=st.floats(0.2, 3.0))
+def test_property_an_oom_never_lowers_the_correction_and_fits_set_it_both_ways(fit_ratios, oom_ratios, extra):
+    ctx = gpu_job(micro=8, accum=2)
+    key = L.memory_key(ctx, Overrides())
+    ov = split(ctx, 4)
+    pred = L.predict_gpu(ctx, ov)
+
+    def oom_obs(r):
+        return dataclasses.replace(fit_gpu(ctx, ov, int(r * pred)), outcome="gpu_oom")
+
+    obs = [fit_gpu(ctx, ov, int(r * pred)) for r in fit_ratios] + [oom_obs(r) for r in oom_ratios]
+    k = L.correction(key, obs, "gpu").k
+    assert L.correction(key, [*obs, oom_obs(extra)], "gpu").k >= k - 1e-9
+    if fit_ratios:
+        # Fits alone set k exactly (below 1 too: the estimator over-predicted); OOMs can only raise it.
+        assert abs(k - max([*fit_ratios, *oom_ratios])) < 1e-3
+    else:
+        assert k >= 1.0
