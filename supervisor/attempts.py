@@ -231,6 +231,7 @@ class Runner:
         tag = self.attempt_tag(job.id, number)
         env = self._environment(spec, rendered.env, gpus)
         env[MARKER_ENV] = tag
+        env["OOM_SUPERVISOR_PEAK_FILE"] = str(paths.root / "gpu_peak.json")  # the hook's in-process peaks
         atomic_write_json(paths.environment, {"argv": rendered.argv, "cwd": str(spec.workdir),
                                               "env": env, "set_by_attempt": rendered.env}, mode=0o600)
 
@@ -413,7 +414,11 @@ class Runner:
             for name in VISIBILITY_VARS:
                 if name not in visibility_env(gpus, self.gpu_vendor):
                     env.pop(name, None)  # one filter only: ROCR then HIP would index twice
+        inherited_path = env.get("PYTHONPATH")
         env.update(attempt_env)
+        if "PYTHONPATH" in attempt_env and inherited_path and "PYTHONPATH" not in spec.sup.env:
+            # the start-up hook goes first; what the job would have had still follows it
+            env["PYTHONPATH"] = f"{attempt_env['PYTHONPATH']}{os.pathsep}{inherited_path}"
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
@@ -698,9 +703,22 @@ class Runner:
             diagnosis=json.dumps(diagnosis.to_dict()), detected_at=act.detected_at,
             peak_rss_bytes=host.peak_rss_bytes, **progress)
         vram = act.vram.stop() if act.vram is not None else None
+        emergency = _emergency_of(act.paths.log)
+        if emergency is not None and emergency.steps_saved and emergency.step is not None:
+            # The hook saved the last finished step: that checkpoint is what this attempt kept.
+            fields["checkpoint_step_after"] = max(emergency.step, progress.get("checkpoint_step_after") or 0)
         with self.store.tx():
             job = self.store.job(act.job_id)
             self.store.update_attempt(act.job_id, act.number, **fields)
+            if emergency is not None:
+                words = {"saved": f"emergency checkpoint at step {emergency.step}: {emergency.path}",
+                         "already_saved": f"emergency checkpoint at step {emergency.step}: already saved by the "
+                                          "regular schedule",
+                         }.get(emergency.outcome, f"no emergency checkpoint ({emergency.outcome}): "
+                                                  f"{emergency.reason or emergency.text}")
+                self._event(act.job_id, "emergency_checkpoint", words, attempt=act.number,
+                            outcome=emergency.outcome, step=emergency.step, path=emergency.path,
+                            seconds=emergency.seconds)
             if vram and vram.get("samples"):
                 peaks = ", ".join(f"GPU {d}: {b / (1 << 30):.2f} GiB" for d, b in vram["peak_bytes"].items())
                 self._event(act.job_id, "gpu_telemetry", f"peak VRAM {peaks or 'none seen'} ({vram['source']})",
@@ -784,7 +802,7 @@ class Runner:
     def _host_evidence(self, act: Active, raw: dict) -> HostEvidence:
         cg = act.handle.cgroup
         pids = {p for p in (raw.get("pid"),) if p}
-        peak = act.peak_rss
+        peak = max(act.peak_rss, int(raw.get("peak_rss_bytes") or 0))  # the shim's own samples too
         kills = None
         if cg is not None:
             kills = cg.oom_kills()
@@ -1053,6 +1071,17 @@ class Runner:
                 act.interrupt_cause = "restart"
                 self.stop(act, "shutdown", self.cfg.stop_grace)
         return act
+
+
+def _emergency_of(log_path: Path):
+    """The start-up hook's last marker in the log's tail (it comes right before the traceback)."""
+    from .hooks.markers import parse_emergency
+
+    try:
+        return parse_emergency(_tail_text(log_path, 256 << 10).splitlines())
+    except Exception:
+        log.exception("emergency_marker_unreadable")
+        return None
 
 
 def _tail_text(path: Path, n: int) -> str:

@@ -337,6 +337,9 @@ def job_timeline(store, job_id: int) -> dict[str, Any]:
         })
     events = [{"ts": e.ts, "attempt": e.attempt, "kind": e.kind, "message": e.message,
                "data": json.loads(e.data) if e.data else None} for e in store.events(job_id)]
+    for a in attempts:  # what the start-up hook saved when the attempt ran out of memory
+        a["emergency_checkpoint"] = next((e["message"] for e in events if e["kind"] == "emergency_checkpoint"
+                                          and e["attempt"] == a["number"]), None)
     return {**job_summary(store, job), "workdir": job.workdir, "source": job.source,
             "attempt_list": attempts, "events": events}
 

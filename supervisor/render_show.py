@@ -81,6 +81,8 @@ def attempt_panel(a: dict[str, Any]) -> Panel:
         if a.get("steps_lost") is not None:
             lines.append(f", steps lost: {a['steps_lost']}")
         lines.append("\n")
+    if a.get("emergency_checkpoint"):
+        lines.append(a["emergency_checkpoint"] + "\n")
     rates = []
     if a.get("steps_per_s"):
         rates.append(f"{a['steps_per_s']:.3f} steps/s")

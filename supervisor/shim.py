@@ -146,6 +146,28 @@ def _cap_log(log_path: str, log_fd: int, cap: int, stop: threading.Event) -> Non
             continue
 
 
+def _tree_rss() -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for pid in _descendants():
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+def _sample_peak(peak: list[int], stop: threading.Event) -> None:
+    """Peak resident memory of the command's tree, for the exit record: where the daemon cannot
+    sample it itself (inside a Slurm job on another node), this is the only figure there is."""
+    while not stop.wait(0.5):
+        try:
+            peak[0] = max(peak[0], _tree_rss())
+        except OSError:
+            pass
+
+
 def _copy_to(src, offset: int, length: int, dest: str) -> None:
     src.seek(offset)
     data = src.read(length)
@@ -225,6 +247,8 @@ def main(argv: list[str]) -> int:
     cap = int(spec.get("max_log_bytes") or 0)
     if cap > 0:
         threading.Thread(target=_cap_log, args=(spec["log"], log_fd, cap, stop_cap), daemon=True).start()
+    peak = [0]
+    threading.Thread(target=_sample_peak, args=(peak, stop_cap), daemon=True).start()
 
     status = None
     while status is None:
@@ -263,6 +287,8 @@ def main(argv: list[str]) -> int:
         record = {"returncode": code, "signal": _signal_name(-code) if code < 0 else None}
     if launch_error:
         record["launch_error"] = launch_error.decode("utf-8", "replace")
+    if peak[0]:
+        record["peak_rss_bytes"] = peak[0]
     os.close(log_fd)
     record.update(started_at=started, ended_at=ended, duration_s=round(ended - started, 3), pid=pid)
     _write_exit(exit_path, record)

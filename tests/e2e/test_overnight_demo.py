@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.demo.run import DEMO_CGROUP_LIMIT, DEMO_RLIMIT, default_launcher, demo_job
+from supervisor.demo.run import DEMO_CGROUP_LIMIT, DEMO_RLIMIT, DEMO_SAVE_STEPS, default_launcher, demo_job
 from supervisor.limits import detect_cgroup
 
 from ..conftest import DaemonProc, drop, pids_with_marker, write_config
@@ -24,12 +24,12 @@ if shutil.which(default_launcher()[0]) is None and not Path(default_launcher()[0
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "demo-assets"
 
 
-def run_demo(tmp_path: Path, *, cgroups: str, limit: str) -> tuple[DaemonProc, dict]:
+def run_demo(tmp_path: Path, *, cgroups: str, limit: str, save_steps: int = 4) -> tuple[DaemonProc, dict]:
     root = tmp_path / "demo"
     (root / "work").mkdir(parents=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     (root / "cache").symlink_to(CACHE)
-    job = demo_job(root, memory_limit=limit, launcher=default_launcher())
+    job = demo_job(root, memory_limit=limit, launcher=default_launcher(), save_steps=save_steps)
     d = DaemonProc(tmp_path / "state", tmp_path / "spool",
                    write_config(tmp_path / "daemon.yaml", cgroups=cgroups, stop_grace=10, poll_interval=0.2),
                    tmp_path / "daemon.log")
@@ -85,8 +85,14 @@ def check_night(d: DaemonProc, job: dict, *, mechanism: str) -> None:
 
 
 def test_overnight_run_survives_a_real_oom_rlimit(tmp_path):
-    d, job = run_demo(tmp_path, cgroups="off", limit=DEMO_RLIMIT)
+    """Checkpoints every 5 steps: the OOM at step 9 is 4 steps after checkpoint-5, and the start-up
+    hook's emergency checkpoint of step 8 makes it cost nothing."""
+    d, job = run_demo(tmp_path, cgroups="off", limit=DEMO_RLIMIT, save_steps=DEMO_SAVE_STEPS)
     check_night(d, job, mechanism="rlimit-data+sampled-sum")
+    first = d.show(1)["attempt_list"][0]
+    assert first["emergency_checkpoint"].startswith("emergency checkpoint at step 8"), first
+    assert first["steps_lost"] == 0
+    assert "emergency checkpoint at step 8" in d.cli("show", "1").stdout
 
 
 @pytest.mark.skipif(detect_cgroup() is None, reason="no writable cgroup memory controller (needs root)")
