@@ -55,7 +55,7 @@ def test_controller_killed_right_after_start(slurm, tmp_path):
     else:
         # The controller forgot the job; its id is free again and the next job may take it.
         other, _ = go(tmp_path, ["sleep", "1"], "other", request=sl.SlurmJobRequest(mem="100M"))
-        st = wait_terminal(other.job_id, timeout=30)
+        st = wait_terminal(other.job_id, timeout=90)  # the orphan's kill may hold the node ~KillWait
         if other.job_id == sub.job_id:
             assert not sl.same_run(rec, st)  # another job under our id: the name tells
     sl.cancel(sub.job_id, hard=True, kill_now=True)
