@@ -434,26 +434,38 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / GiB:.2f} GiB"
 
 
-def _what_ran(ctx: JobContext, obs: Sequence[Observation]) -> str:
+def _what_ran(ctx: JobContext, obs: Sequence[Observation], chosen: Candidate | None = None) -> str:
     """'micro-batch 16 and 8 ran out of host memory, 4x4 fit (peak 1.32 GiB of 1.91 GiB)'."""
+    key = memory_key(ctx, Overrides())
+
+    def name(o: Observation) -> str:
+        if tier(key, o.key) == "same_kind":
+            return label(ctx, Overrides.from_dict(o.overrides))
+        return f"{o.key.get('micro_batch')}x{o.key.get('grad_accum')}"
+
+    def listed(items: list[str]) -> str:
+        return " and ".join(items) if len(items) < 3 else ", ".join(items[:-1]) + " and " + items[-1]
+
     parts = []
     for outcome, words in (("gpu_oom", "ran out of GPU memory"), ("host_oom", "ran out of host memory")):
-        mbs = []
-        for o in obs:
-            if o.outcome == outcome and str(o.key.get("micro_batch")) not in mbs:
-                mbs.append(str(o.key.get("micro_batch")))
-        if mbs:
-            parts.append(f"micro-batch {' and '.join(mbs) if len(mbs) < 3 else ', '.join(mbs)} {words}")
-    for o in obs:
-        if o.outcome == "fit":
-            cfg = f"{o.key.get('micro_batch')}x{o.key.get('grad_accum')}"
-            if o.gpu_peak is not None:
-                parts.append(f"{cfg} fit (peak {_gib(o.gpu_peak)} of {_gib(o.gpu_total)}"
-                             + (f" on {o.gpu_name}" if o.gpu_name else "") + ")")
-            else:
-                parts.append(f"{cfg} fit (peak {_gib(o.host_peak)}"
-                             + (f" of {_gib(o.host_limit)}" if o.host_limit else "") + ")")
-            break
+        names = list(dict.fromkeys(name(o) for o in obs if o.outcome == outcome))
+        if names and all(" + " not in n for n in names):
+            mbs = list(dict.fromkeys(str(o.key.get("micro_batch")) for o in obs if o.outcome == outcome))
+            parts.append(f"micro-batch {listed(mbs)} {words}")
+        elif names:
+            parts.append(f"{listed(names)} {words}")
+    fits = [o for o in obs if o.outcome == "fit"]
+    if chosen is not None and chosen.source == "observed":
+        fits = [o for o in fits if Overrides.from_dict(o.overrides).fingerprint() == chosen.overrides.fingerprint()] \
+            or fits
+    if fits:
+        o = fits[-1]
+        if o.gpu_peak is not None:
+            parts.append(f"{name(o)} fit (peak {_gib(o.gpu_peak)} of {_gib(o.gpu_total)}"
+                         + (f" on {o.gpu_name}" if o.gpu_name else "") + ")")
+        else:
+            parts.append(f"{name(o)} fit (peak {_gib(o.host_peak)}"
+                         + (f" of {_gib(o.host_limit)}" if o.host_limit else "") + ")")
     return ", ".join(parts)
 
 
@@ -462,7 +474,7 @@ def reason_for(ctx: JobContext, pred: Prediction, choice: Candidate) -> str:
     obs = pred.same_kind or corr.basis
     where = TIER_WORDS.get(corr.tier or "same_kind", "") if not pred.same_kind else TIER_WORDS["same_kind"]
     head = f"learned: {len(obs)} attempt{'s' if len(obs) != 1 else ''} {where} on this box"
-    ran = _what_ran(ctx, obs)
+    ran = _what_ran(ctx, obs, choice)
     if choice.source == "observed":
         basis = "observed to fit"
     else:
