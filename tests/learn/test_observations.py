@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import subprocess
@@ -126,3 +127,38 @@ def test_the_same_gpu_probed_a_little_differently_is_one_kind(tmp_path):
                                 peak=L.GpuPeak(30 * GiB, 29 * GiB, None, None, 1)))
         assert len(store.similar(said)) == 1 and len(store.similar(gpu_job(cap_gib=94))) == 0
         assert L.tier(L.memory_key(said, Overrides()), store.similar(said)[0].key) == "same_kind"
+
+
+DEMO_MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 688, "vocab_size": 900,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "tie_word_embeddings": False}
+# Measured: `python -m supervisor.demo.run --root /tmp/demo_h` on the build machine (RLIMIT_DATA
+# 2,000,000 KiB): the record's attempts (number, peak_rss_bytes, max_step, resumed_from_step).
+DEMO_ATTEMPTS = ((1, 16, 1_563_549_696, 8, None, "host_oom"), (2, 8, 1_656_037_376, 8, 8, "host_oom"),
+                 (3, 4, 1_420_922_880, 9, 8, "success"))
+
+
+def test_measured_demo_night_resubmitted_starts_at_4x4_with_the_reason(tmp_path):
+    from supervisor.jobspec import parse_job_text
+    from supervisor.models import Category, Diagnosis, HostEvidence
+    from supervisor.policy import plan
+    from supervisor.policy.estimate import read_model_shape
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(DEMO_MODEL))
+    text = ("model_name_or_path: model\nstage: sft\ndo_train: true\nfinetuning_type: full\ndataset: demo\n"
+            "template: default\ncutoff_len: 2048\noutput_dir: out\nper_device_train_batch_size: 16\n"
+            "gradient_accumulation_steps: 1\nsupervisor:\n  name: demo-tiny-llama\n"
+            "  host_memory_limit: 2000000KiB\n")
+    spec = parse_job_text(text, source="demo-job.yaml", submit_dir=tmp_path)
+    ctx = plan._context(spec, read_model_shape(tmp_path / "model"), None)
+    host = HostEvidence(memory_limit_bytes=spec.sup.host_memory_limit)
+    for n, micro, rss, step, resumed, outcome in DEMO_ATTEMPTS:
+        d = None if outcome == "success" else Diagnosis(Category.HOST_OOM, "DefaultCPUAllocator", vendor="cpu")
+        O.record_finished(tmp_path, ctx, split(ctx, micro), d, succeeded=d is None, max_step=step,
+                          resumed_from_step=resumed, peak_file=None,
+                          host=dataclasses.replace(host, peak_rss_bytes=rss), job=spec.name, attempt=n, time=n)
+    ov, reason = O.first_attempt(tmp_path, ctx, POLICY)
+    assert ov == split(ctx, 4)
+    assert reason == ("learned: 3 attempts of this kind on this box: micro-batch 16 and 8 ran out of host memory, "
+                      "4x4 fit (peak 1.32 GiB of 1.91 GiB); starting at 4x4 (observed to fit)")
+    assert O.refusal(tmp_path, ctx, POLICY) is None
