@@ -123,9 +123,12 @@ def _cap_log(log_path: str, log_fd: int, cap: int, stop: threading.Event) -> Non
     keep = cap // 4
     head_done = os.path.exists(log_path + ".head")
     dropped = 0
-    while not stop.wait(0.1):
+    wait = 0.1
+    while not stop.wait(wait):
         try:
             size = os.fstat(log_fd).st_size
+            # Look again soon when the log nears its cap: a flood must not overshoot it by much.
+            wait = 0.005 if size > cap // 2 else 0.1
             if size <= cap:
                 continue
             with open(log_path, "rb") as src:

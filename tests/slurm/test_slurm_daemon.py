@@ -122,10 +122,13 @@ def test_the_demo_night_runs_on_slurm(slurm, tmp_path):
     try:
         drop(d.spool, "demo.yaml", yaml.safe_dump(job))
         d.wait_state(1, {"succeeded", "failed"}, timeout=900)
-        check_night(d, job, mechanism="slurm-cgroup")
-        first = d.show(1)["attempt_list"][0]
-        assert first["diagnosis"]["numbers"].get("scheduler_state") in ("OUT_OF_MEMORY", None) or \
-            first["exit"]["signal"] == "SIGKILL"
     finally:
-        d.stop(signal.SIGTERM, timeout=60)
+        d.stop(signal.SIGTERM, timeout=60)  # before the check: its own command line names the state folder
+    check_night(d, job, mechanism="slurm-cgroup")
+    shown = d.show(1)
+    first = shown["attempt_list"][0]
+    assert first["exit"]["signal"] == "SIGKILL", first["exit"]  # the job cgroup's OOM killer
+    ids = [e["data"]["slurm_job"] for e in shown["events"] if e["kind"] == "slurm_submitted"]
+    assert len(ids) == len(shown["attempt_list"]) and len(set(ids)) == len(ids), "one sbatch job per attempt"
+    assert sl.query(ids[0]).state in ("OUT_OF_MEMORY", "FAILED")
     assert os.environ.get("SLURM_CONF")
