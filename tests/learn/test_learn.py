@@ -99,7 +99,7 @@ def test_other_sequence_length_and_sibling_scale_by_the_estimator():
     c = L.correction(L.memory_key(long, Overrides()), obs, "gpu")
     assert c.tier == "other_seq" and abs(c.k - 0.8) < 1e-3
     _, reason = L.initial_overrides(long, POLICY, obs)
-    assert reason.startswith("learned: 1 attempt of the same model at another cutoff_len") and "margin 10%" in reason
+    assert reason.startswith("learned: 1 attempt of the same model at another cutoff_len") and "margin 5%" in reason
     big = gpu_job(params=2 * PARAMS, shape={**SHAPE,
                                                  "num_layers": 48})
     assert L.correction(L.memory_key(big, Overrides()), obs, "gpu").tier == "sibling"
