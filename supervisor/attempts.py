@@ -177,6 +177,12 @@ class Runner:
             shutil.rmtree(paths.root)
         paths.root.mkdir(parents=True, mode=0o700)
         overrides = Overrides.from_dict(json.loads(job.next_overrides) if job.next_overrides else None)
+        learned = None
+        if number == 1 and not job.next_overrides and spec.kind == "llamafactory":
+            refused, overrides, learned = self._learned_start(job, spec)
+            if refused:
+                self.refuse(job, refused)
+                return None
 
         resume_yaml: dict[str, Any] = {}
         resumed_from = resumed_step = None
@@ -261,8 +267,11 @@ class Runner:
                                    gpus=json.dumps(gpus) if gpus is not None else None)
             self.store.transition(job.id, JobState.RUNNING,
                                   f"attempt {number} started" + (f" (remedy: {remedy})" if overrides.rungs else "")
-                                  + (f", resuming from {resumed_from}" if resumed_from else ""),
+                                  + (f", resuming from {resumed_from}" if resumed_from else "")
+                                  + (f"; {learned}" if learned else ""),
                                   not_before=None)
+            if learned:
+                self._event(job.id, "learned_plan", learned, attempt=number, overrides=overrides.to_dict())
         act_args = dict(job_id=job.id, number=number, paths=paths, scanner=LogScanner(initial_step=resumed_step),
                         spec=spec, gpus=gpus, output_dir=output_dir,
                         hang_timeout=spec.sup.hang_timeout or self.cfg.hang_timeout,
@@ -320,6 +329,38 @@ class Runner:
         self._event(job.id, "slurm_submitted", f"attempt {number} is Slurm job {sub.job_id}", attempt=number,
                     slurm_job=sub.job_id)
         return SlurmHandle(sub.job_id, sub.to_dict())
+
+    def _learned_start(self, job: JobRow, spec) -> tuple[str | None, Overrides, str | None]:
+        """(refusal, overrides, why) for a job's first attempt, from what earlier nights observed."""
+        from .observations import first_attempt, refusal
+
+        try:
+            ctx = self._context(job, spec)
+            policy = self._policy(spec, job)
+        except Exception:
+            log.exception("learned_plan_unavailable", job=job.id)
+            return None, Overrides(), None
+        refused = refusal(self.cfg.state.root, ctx, policy)
+        if refused:
+            return f"this box cannot run the job, not even at the last remedy: {refused}", Overrides(), None
+        overrides, why = first_attempt(self.cfg.state.root, ctx, policy)
+        return None, overrides, why
+
+    def _observe(self, act: Active, this: AttemptRecord, diagnosis: Diagnosis, host: HostEvidence,
+                 progress: dict[str, Any]) -> None:
+        """What this attempt used, for the next job of its kind (after the verdict is committed)."""
+        if act.spec.kind != "llamafactory":
+            return
+        from .observations import record_finished
+
+        try:
+            job = self.store.job(act.job_id)
+            record_finished(self.cfg.state.root, self._context(job, act.spec), this.overrides, diagnosis,
+                            succeeded=diagnosis.category == Category.SUCCESS, max_step=progress.get("max_step"),
+                            resumed_from_step=this.resumed_from_step, peak_file=act.paths.root / "gpu_peak.json",
+                            host=host, job=job.name if job else "", attempt=act.number, time=self.clock())
+        except Exception:
+            log.exception("observation_not_recorded", job=act.job_id)
 
     def refuse(self, job: JobRow, reason: str) -> None:
         """A job that can never run here (nothing of it was started)."""
@@ -763,6 +804,8 @@ class Runner:
             else:
                 self.apply(act.job_id, act.number, decision)
         act.log.close()
+        if decision is not None:
+            self._observe(act, this, diagnosis, host, progress)
         if act.handle.owner is not None:
             act.handle.owner.remove(timeout_s=0.5)
         if act.handle.cgroup is not None and (act.handle.owner is None or act.handle.cgroup.path != act.handle.owner.cgroup):

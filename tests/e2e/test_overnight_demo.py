@@ -94,6 +94,24 @@ def test_overnight_run_survives_a_real_oom_rlimit(tmp_path):
     assert first["steps_lost"] == 0
     assert "emergency checkpoint at step 8" in d.cli("show", "1").stdout
 
+    # The second night: the same job again (fresh output folder) starts where it fits, no OOM.
+    root2 = tmp_path / "demo2"
+    (root2 / "work").mkdir(parents=True)
+    (root2 / "cache").symlink_to(CACHE)
+    job2 = demo_job(root2, memory_limit=DEMO_RLIMIT, launcher=default_launcher(), save_steps=DEMO_SAVE_STEPS)
+    d2 = DaemonProc(d.state, d.spool, d.config, tmp_path / "daemon2.log").start()
+    try:
+        drop(d2.spool, "demo-again.yaml", yaml.safe_dump(job2))
+        d2.wait_state(2, {"succeeded", "failed"}, timeout=600)
+    finally:
+        d2.stop(signal.SIGTERM)
+    again = d2.show(2)
+    assert again["state"] == "succeeded" and again["attempts"] == 1, json.dumps(again, default=str)[-3000:]
+    learned = [e["message"] for e in again["events"] if e["kind"] == "learned_plan"]
+    assert learned and "starting at 4x4" in learned[0], learned
+    eff = yaml.safe_load((d2.state / "jobs/2/attempt-1/effective.yaml").read_text())
+    assert eff["per_device_train_batch_size"] * eff["gradient_accumulation_steps"] == 16
+
 
 @pytest.mark.skipif(detect_cgroup() is None, reason="no writable cgroup memory controller (needs root)")
 def test_overnight_run_survives_a_real_oom_cgroup(tmp_path):
