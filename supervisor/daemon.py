@@ -126,6 +126,11 @@ class Daemon:
             self.shutdown()
             if self.metrics is not None:
                 self.metrics.close()
+            if self.runner.owner_support is not None:
+                try:  # our attempts' parent cgroup, once no attempt (held or adopted later) is in it
+                    self.runner.owner_support.parent.rmdir()
+                except OSError:
+                    pass
             for s, h in old.items():
                 signal.signal(s, h)
             self.store.event(None, "daemon", "daemon stopped")

@@ -43,7 +43,8 @@ def _mounts() -> list[tuple[str, str, str]]:
         return []
 
 
-def _own_cgroup_path(version: int) -> str:
+def _own_cgroup_path(version: int, controller: str = "memory") -> str:
+    """Our cgroup in the v2 tree, or in the v1 hierarchy of `controller`."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -52,7 +53,7 @@ def _own_cgroup_path(version: int) -> str:
         hid, controllers, path = line.split(":", 2)
         if version == 2 and hid == "0":
             return path
-        if version == 1 and "memory" in controllers.split(","):
+        if version == 1 and controller in controllers.split(","):
             return path
     return "/"
 

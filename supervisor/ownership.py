@@ -37,6 +37,8 @@ from pathlib import Path
 
 import psutil
 
+from .limits import _mounts, _own_cgroup_path
+
 MARKER_ENV = "OOM_SUPERVISOR_ATTEMPT"
 
 
@@ -55,29 +57,6 @@ class OwnerSupport:
         return f"{self.kind} under {self.parent}"
 
 
-def _mounts() -> list[tuple[str, str, str]]:
-    try:
-        with open("/proc/self/mounts") as f:
-            return [tuple(line.split()[1:4]) for line in f]  # type: ignore[misc]
-    except OSError:
-        return []
-
-
-def _own_path(hierarchy: str) -> str:
-    """Our cgroup path in the v2 tree (hierarchy "") or in the v1 hierarchy of a controller."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return "/"
-    for line in lines:
-        hid, controllers, path = line.split(":", 2)
-        if hierarchy == "" and hid == "0" and controllers == "":
-            return path
-        if hierarchy and hierarchy in controllers.split(","):
-            return path
-    return "/"
-
-
 def detect_owner_support(tag: str, *, move_self: bool = True) -> OwnerSupport | None:
     """The best ownership mechanism this process may use, or None (marker fallback).
 
@@ -88,7 +67,7 @@ def detect_owner_support(tag: str, *, move_self: bool = True) -> OwnerSupport | 
         if fstype != "cgroup2":
             continue
         root = Path(mountpoint)
-        own = _own_path("")
+        own = _own_cgroup_path(2)
         if own not in ("/", ""):
             base = root / own.lstrip("/")
             if move_self and _delegated(base):
@@ -101,7 +80,7 @@ def detect_owner_support(tag: str, *, move_self: bool = True) -> OwnerSupport | 
     for controller in ("pids", "freezer"):
         for mountpoint, fstype, opts in mounts:
             if fstype == "cgroup" and controller in opts.split(","):
-                own = _own_path(controller)
+                own = _own_cgroup_path(1, controller)
                 base = Path(mountpoint) / own.lstrip("/")
                 parent = base / f"oom-supervisor-{tag}"
                 if _try_dir(parent, "cgroup.procs"):
