@@ -207,7 +207,8 @@ class Runner:
                     resumed_from, resumed_step = str(plan.checkpoint.path), plan.checkpoint.step
 
         try:
-            rendered = render_attempt(spec, overrides, attempt_dir=paths.root, resume_yaml=resume_yaml,
+            rendered = render_attempt(spec, self._with_policy_switches(spec, job, overrides),
+                                      attempt_dir=paths.root, resume_yaml=resume_yaml,
                                       launcher=self.launcher_for(spec))
             if plan is not None and plan.deepspeed:
                 _merge_ds(rendered.files, plan.deepspeed)
@@ -366,6 +367,19 @@ class Runner:
         """A job that can never run here (nothing of it was started)."""
         self.store.transition(job.id, JobState.RUNNING, "preparing attempt")
         self._fail(job.id, reason)
+
+    def _with_policy_switches(self, spec, job: JobRow, overrides: Overrides) -> Overrides:
+        """What the policy switches off for every attempt (rendered, not recorded as a remedy)."""
+        import dataclasses
+
+        from .policy.render import EMERGENCY_CKPT_ENV
+
+        try:
+            if not self._policy(spec, job).emergency_checkpoint:
+                return dataclasses.replace(overrides, env={**overrides.env, EMERGENCY_CKPT_ENV: "0"})
+        except Exception:
+            pass  # an unreadable policy is reported where it is decided on
+        return overrides
 
     def _abandon_before_prepare(self, job: JobRow) -> None:
         """A cancel recorded before we began (durable intent): settle it, run nothing, fix nothing up."""

@@ -120,6 +120,9 @@ class Policy(_Strict):
     backoff: Backoff = Backoff()
     retention: Retention = Retention()
     retry_numeric: bool = False
+    # The start-up hook's emergency checkpoint of the last finished step on a catchable OOM (one
+    # process): on by default; a job turns it off with env OOM_SUPERVISOR_EMERGENCY_CKPT: "0".
+    emergency_checkpoint: bool = True
     # Switching a run to DeepSpeed (or between ZeRO stages) cannot load the
     # checkpoints it already wrote; with this false such a rung is skipped.
     allow_restart_for_deepspeed: bool = False

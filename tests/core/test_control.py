@@ -400,3 +400,25 @@ def test_marker_finds_processes_without_a_cgroup(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_a_policy_can_switch_the_emergency_checkpoint_off(daemon_factory, tmp_path):
+    from supervisor.models import Overrides
+    from supervisor.policy import render_attempt
+
+    pol = tmp_path / "policies"
+    pol.mkdir()
+    default = (Path(__file__).resolve().parents[2] / "policies" / "default.yaml").read_text()
+    (pol / "nockpt.yaml").write_text(default.replace("name: default", "name: nockpt", 1)
+                                     + "\nemergency_checkpoint: false\n")
+    d = daemon_factory(policy_dirs=[pol])
+    on = add_job(d, tmp_path, [sys.executable, "-c", "pass"])
+    off = add_job(d, tmp_path, [sys.executable, "-c", "pass"], policy="nockpt")
+    envs = {}
+    for job_id in (on, off):
+        spec, job = d.runner.spec_of(job_id), d.store.job(job_id)
+        over = d.runner._with_policy_switches(spec, job, Overrides())
+        envs[job_id] = render_attempt(spec, over, attempt_dir=tmp_path / f"a{job_id}", resume_yaml={},
+                                      launcher=["x"]).env
+    assert envs[on].get("OOM_SUPERVISOR_EMERGENCY_CKPT") == "1"
+    assert "OOM_SUPERVISOR_EMERGENCY_CKPT" not in envs[off] or envs[off]["OOM_SUPERVISOR_EMERGENCY_CKPT"] == "0"
