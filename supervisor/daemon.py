@@ -150,7 +150,8 @@ class Daemon:
         end = time.monotonic() + seconds
         while not self.stopping and time.monotonic() < end:
             time.sleep(min(0.02, max(0.0, end - time.monotonic())))
-            if any(act.log.pending() > 0 for act in self.active.values()):
+            if any(act.log.pending() > 0 or act.stop_deadline is not None for act in self.active.values()):
+                # (a stopping attempt is watched closely too: its SIGKILL is due at a deadline)
                 # only the cheap steps, not a full tick: a cancel must not wait behind a flood
                 self._run_step("control", self.step_control)
                 self._run_step("monitor", self.step_monitor)

@@ -13,7 +13,12 @@ if len(sys.argv) > 2 and sys.argv[1] == "--rank":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if rank == 3:
         time.sleep(random.uniform(0.5, 1.5))
-        line = (f"[rank{rank}]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+        # As a rank really reports it: the exception line that ends a traceback (a bare line of text
+        # is only a hint and tears nothing down).
+        line = (f"[rank{rank}]: Traceback (most recent call last):\n"
+                f'[rank{rank}]:   File "/opt/train.py", line 42, in <module>\n'
+                f"[rank{rank}]:     loss.backward()\n"
+                f"[rank{rank}]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
                 "GPU 3 has a total capacity of 79.15 GiB of which 1.02 GiB is free.\n")
         t = time.time()
         sys.stdout.write(line)
