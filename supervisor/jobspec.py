@@ -321,7 +321,17 @@ class _LineLoader(yaml.SafeLoader):
         return node
 
 
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+
+
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    # YAML 1.1 reads a key `on:` (notify's `on: [failed]`), `off:`, `yes:`, `no:` as a boolean; as a
+    # KEY nobody means that: keep the word. Values keep YAML 1.1 (`stop_on_fatal_line: off` is False,
+    # as LLaMA-Factory, which reads the training keys with PyYAML too, would read it).
+    for key_node, _ in node.value:
+        if (isinstance(key_node, yaml.ScalarNode) and key_node.tag == _BOOL_TAG
+                and key_node.value.lower() not in ("true", "false")):
+            key_node.tag = "tag:yaml.org,2002:str"
     mapping = yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
     lines = {}
     for key_node, _ in node.value:
