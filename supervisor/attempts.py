@@ -567,6 +567,8 @@ class Runner:
                 act.teardown_s = time.monotonic() - act.stop_sent_mono
             return True
         # Alive. The exit check came first: a job that ended while we were stalled is not a hang.
+        if isinstance(act.handle, SlurmHandle) and (act.handle.state is None or act.handle.state.state != "RUNNING"):
+            act.last_output_mono = now  # waiting in Slurm's queue is not a hang
         if (act.stopped_by is None and act.broken is None and act.hang_timeout
                 and now - act.last_output_mono > act.hang_timeout):
             self._event(act.job_id, "hang_detected",
