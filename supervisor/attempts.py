@@ -27,8 +27,9 @@ from . import proctree
 from .config import DaemonConfig
 from .diagnosis import LogScanner
 from .fsutil import atomic_write_json, atomic_write_text, read_json
-from .gpus import VISIBILITY_VARS, VramSampler, detect_vendor, visibility_env
-from .diskfull import is_disk_full
+from .gpus import VramSampler, detect_vendor, visibility_env
+from .llamafactory.launch import VISIBILITY_VARS
+from .diskfull import free_bytes, is_disk_full
 from .limits import CgroupSupport, JobCgroup, detect_cgroup, kernel_oom_lines, rlimits_for
 from .logfollow import LogFollower
 from .logsetup import log
@@ -100,7 +101,6 @@ class Active:
     stuck_reported: bool = False
     broken: str | None = None  # our own error while following it: stop it, then record
     limit_killed: bool = False  # stopped for going over host_memory_limit (sampled, no cgroup)
-    finish_failures: int = 0
 
     def __post_init__(self) -> None:
         if self.log is None:
@@ -1184,16 +1184,7 @@ def _merge_ds(files: dict[str, str], keys: dict[str, Any]) -> None:
 
 
 def _free_bytes(folders: list[Path | None]) -> dict[str, int]:
-    out = {}
-    for d in folders:
-        if d is None:
-            continue
-        try:
-            st = os.statvfs(d)
-        except OSError:
-            continue
-        out[str(d)] = st.f_bavail * st.f_frsize
-    return out
+    return {str(d): free for d in folders if d is not None and (free := free_bytes(d)) is not None}
 
 
 def _gib(n: int) -> str:

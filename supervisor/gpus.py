@@ -324,7 +324,6 @@ def wait_vram_released(devices: list[int] | None, timeout: float, *, threshold: 
 
 # --- which devices an attempt sees -----------------------------------------------------------------
 
-VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 
 def detect_vendor(dev: Path = Path("/dev")) -> str:

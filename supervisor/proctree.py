@@ -164,7 +164,7 @@ def package_root() -> str:
 
 
 def _package_root() -> str:
-    root = str(Path(__file__).resolve().parent.parent)
+    root = package_root()
     extra = os.environ.get("PYTHONPATH")
     return f"{root}{os.pathsep}{extra}" if extra else root
 
