@@ -150,8 +150,8 @@ def _peak_rss_kib() -> int:
 
 
 def _child_diagnose(path: str) -> None:
-    from supervisor.diagnosis import PREFILTER_ENGINE, diagnose_file
-    from supervisor.models import ExitRecord
+    from supervisor.core.models import ExitRecord
+    from supervisor.judge.diagnosis import PREFILTER_ENGINE, diagnose_file
 
     t0 = time.perf_counter()
     d = diagnose_file(path, ExitRecord(returncode=1))
@@ -162,7 +162,7 @@ def _child_diagnose(path: str) -> None:
 
 
 def _child_import_only() -> None:
-    import supervisor.diagnosis  # noqa: F401
+    import supervisor.judge.diagnosis  # noqa: F401
 
     print(json.dumps({"seconds": 0, "peak_rss_kib": _peak_rss_kib()}))
 
@@ -178,7 +178,7 @@ def _run_child(args: list[str]) -> tuple[dict, float]:
 def _grep_pattern() -> str:
     """The scanner's keyword prefilter as a POSIX ERE."""
     sys.path.insert(0, str(REPO))
-    from supervisor.diagnosis.rules import KEYWORDS
+    from supervisor.judge.diagnosis.rules import KEYWORDS
 
     special = set(".[]()*+?{}|^$\\")
     return "|".join("".join("\\" + c if c in special else c for c in k) for k in KEYWORDS)

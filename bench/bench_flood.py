@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from supervisor.jobspec import parse_size
+from supervisor.intake.jobspec import parse_size
 from tests.chaos.harness import config_knows, flood_cancel
 
 

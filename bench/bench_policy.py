@@ -65,7 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from supervisor.models import (
+from supervisor.core.models import (
     AttemptRecord,
     Category,
     DecisionKind,
@@ -75,9 +75,9 @@ from supervisor.models import (
     Overrides,
     Phase,
 )
-from supervisor.policy import BUILTIN_POLICY_DIR, decide, learn, load_policy
-from supervisor.policy.estimate import shape_from_config
-from supervisor.policy.rungs import view_of
+from supervisor.judge.policy import BUILTIN_POLICY_DIR, decide, learn, load_policy
+from supervisor.judge.policy.estimate import shape_from_config
+from supervisor.judge.policy.rungs import view_of
 
 GiB = 1 << 30
 MODELS = {  # name: config.json numbers (Qwen2.5 / Llama-3 shapes)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from .assets import DEMO_ENV, build_demo_assets, demo_job_config
+from supervisor.demo.assets import DEMO_ENV, build_demo_assets, demo_job_config
 
 # Fits the short steps, not the first long batch (measured: see facts.md, end).
 DEMO_RLIMIT = "2000000KiB"

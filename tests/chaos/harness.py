@@ -77,11 +77,11 @@ def trainings(work: Path) -> list[int]:
 
 
 def shims(state: Path) -> list[int]:
-    return [p for p in live_pids(str(state)) if _argv_has(p, "supervisor.shim")]
+    return [p for p in live_pids(str(state)) if _argv_has(p, "supervisor.run.shim")]
 
 
 def _is_workload(pid: int) -> bool:
-    return _argv_has(pid, str(EXCLUSIVE)) and not _argv_has(pid, "supervisor.shim")
+    return _argv_has(pid, str(EXCLUSIVE)) and not _argv_has(pid, "supervisor.run.shim")
 
 
 def _argv_has(pid: int, token: str) -> bool:
@@ -372,7 +372,7 @@ def log_sizes(attempt_dir: Path) -> tuple[int, int]:
 
 
 def config_knows(key: str) -> bool:
-    from supervisor.config import DaemonConfig
+    from supervisor.daemon.config import DaemonConfig
 
     return key in DaemonConfig.model_fields
 

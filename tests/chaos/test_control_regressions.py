@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from supervisor import cli
-from supervisor.limits import detect_cgroup
+from supervisor.cli import main as cli
+from supervisor.run.limits import detect_cgroup
 from tests.conftest import drop
 
 from .harness import TERMINAL, alive, exclusive_job, explain, kill_all, shims, trainings

@@ -9,9 +9,10 @@ import subprocess
 
 import pytest
 
-from supervisor.checkpoints import plan_resume, run_shape, scan_output_dir
 from supervisor.demo.assets import build_demo_assets, demo_job_config
-from supervisor.progress import read_progress
+from supervisor.judge.resume import plan_resume, run_shape
+from supervisor.run.checkpoints import scan_output_dir
+from supervisor.run.progress import read_progress
 from tests.conftest_ml import CACHE, LLAMAFACTORY_CLI, TRAIN_ENV, needs_llamafactory, write_job
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.checkpoints import Incomplete, plan_resume, run_shape, scan_output_dir
+from supervisor.judge.resume import Incomplete, plan_resume, run_shape
+from supervisor.run.checkpoints import scan_output_dir
 
 pytest.importorskip("torch", reason="torch not installed")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.checkpoints import (
+from supervisor.judge.resume import (
     ARCHIVE_DIR,
     Checkpoint,
     RunShape,

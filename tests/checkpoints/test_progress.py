@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from supervisor.progress import parse_elapsed, read_progress, steps_lost
+from supervisor.run.progress import parse_elapsed, read_progress, steps_lost
 
 
 def line(step: int, elapsed: str, tokens: int | None = None, loss: float | None = 1.0, total: int = 20) -> str:
@@ -75,7 +75,7 @@ def test_parse_elapsed(text, seconds):
 
 
 def test_single_line_after_resume_still_gives_a_step_rate(tmp_path):
-    from supervisor.progress import read_progress
+    from supervisor.run.progress import read_progress
 
     log = tmp_path / "trainer_log.jsonl"
     log.write_text('{"current_steps": 8, "total_steps": 9, "elapsed_time": "0:00:40"}\n')
@@ -87,7 +87,7 @@ def test_single_line_after_resume_still_gives_a_step_rate(tmp_path):
 
 
 def test_summary_line_repeating_the_last_step_does_not_hide_the_rate(tmp_path):
-    from supervisor.progress import read_progress
+    from supervisor.run.progress import read_progress
 
     log = tmp_path / "trainer_log.jsonl"
     log.write_text('{"current_steps": 9, "total_steps": 9, "loss": 6.7, "elapsed_time": "0:00:03"}\n'

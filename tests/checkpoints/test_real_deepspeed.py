@@ -13,13 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.checkpoints import (
-    ARCHIVE_DIR,
-    apply_fixups,
-    plan_resume,
-    run_shape,
-    scan_output_dir,
-)
+from supervisor.judge.resume import ARCHIVE_DIR, plan_resume, run_shape
+from supervisor.run.checkpoints import apply_fixups, scan_output_dir
 from tests.conftest_ml import (
     copy_run,
     ds_z3,

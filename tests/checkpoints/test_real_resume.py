@@ -13,15 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.checkpoints import (
-    QUARANTINE_DIR,
-    apply_fixups,
-    plan_resume,
-    quarantine,
-    run_shape,
-    scan_output_dir,
-)
-from supervisor.progress import read_progress, steps_lost
+from supervisor.judge.resume import plan_resume, run_shape
+from supervisor.run.checkpoints import QUARANTINE_DIR, apply_fixups, quarantine, scan_output_dir
+from supervisor.run.progress import read_progress, steps_lost
 from tests.conftest_ml import (
     copy_run,
     kill_when,

@@ -6,19 +6,16 @@ import json
 import os
 from pathlib import Path
 
-from supervisor.checkpoints import (
-    ARCHIVE_DIR,
+from supervisor.judge.policy import parse_policy_text
+from supervisor.judge.resume import ARCHIVE_DIR, Aside, Fixup, plan_retention
+from supervisor.run.checkpoints import (
     QUARANTINE_DIR,
-    Aside,
-    Fixup,
     apply_fixups,
     list_asides,
-    plan_retention,
     quarantine,
     reclaim,
     scan_output_dir,
 )
-from supervisor.policy import parse_policy_text
 
 PLAIN = ["config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"]
 
@@ -94,7 +91,7 @@ def test_policy_names_the_retention():
 
 
 def apply_fixups_archive(out: Path, name: str) -> None:
-    from supervisor.checkpoints import ResumePlan
+    from supervisor.judge.resume import ResumePlan
 
     apply_fixups(ResumePlan("restart", None, {}, "test",
                             fixups=(Fixup("archive_checkpoints", out, target=out / ARCHIVE_DIR / name),)))

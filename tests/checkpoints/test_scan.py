@@ -11,16 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.checkpoints import (
-    ARCHIVE_DIR,
-    QUARANTINE_DIR,
-    Fixup,
-    Incomplete,
-    ResumePlan,
-    apply_fixups,
-    quarantine,
-    scan_output_dir,
-)
+from supervisor.judge.resume import ARCHIVE_DIR, Fixup, Incomplete, ResumePlan
+from supervisor.run.checkpoints import QUARANTINE_DIR, apply_fixups, quarantine, scan_output_dir
 
 PLAIN = ["config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth",
          "training_args.bin", "tokenizer.json"]

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from supervisor import proctree
-from supervisor.limits import JobCgroup, detect_cgroup
-from supervisor.paths import AttemptPaths
+from supervisor.core.paths import AttemptPaths
+from supervisor.run import proctree
+from supervisor.run.limits import JobCgroup, detect_cgroup
 
 SUPPORT = detect_cgroup()
 pytestmark = pytest.mark.skipif(SUPPORT is None, reason="no writable cgroup memory controller here (needs root)")

@@ -18,16 +18,16 @@ import psutil
 import pytest
 import yaml
 
-from supervisor import proctree
-from supervisor.config import DaemonConfig
-from supervisor.daemon import Daemon
-from supervisor.logfollow import LogFollower
-from supervisor.ownership import MARKER_ENV, Owner, detect_owner_support, marked_pids
-from supervisor.paths import AttemptPaths
-from supervisor.spool import accept
-from supervisor.jobspec import parse_job_text
-from supervisor.states import JobState
-from supervisor.store import Store
+from supervisor.core.paths import AttemptPaths
+from supervisor.core.states import JobState
+from supervisor.daemon.config import DaemonConfig
+from supervisor.daemon.loop import Daemon
+from supervisor.intake.jobspec import parse_job_text
+from supervisor.intake.spool import accept
+from supervisor.record.store import Store
+from supervisor.run import proctree
+from supervisor.run.logfollow import LogFollower
+from supervisor.run.ownership import MARKER_ENV, Owner, detect_owner_support, marked_pids
 
 from ..conftest import fakejob
 
@@ -41,7 +41,7 @@ def make_daemon(tmp_path: Path, **cfg) -> Daemon:
     d = Daemon(conf)
     d.lock.acquire()
     d.store = Store(conf.state.db)
-    from supervisor import attempts
+    from supervisor.daemon import attempts
     d.runner = attempts.Runner(conf, d.store, d.notifier)
     return d
 
@@ -403,8 +403,8 @@ def test_marker_finds_processes_without_a_cgroup(tmp_path):
 
 
 def test_a_policy_can_switch_the_emergency_checkpoint_off(daemon_factory, tmp_path):
-    from supervisor.models import Overrides
-    from supervisor.policy import render_attempt
+    from supervisor.core.models import Overrides
+    from supervisor.judge.policy import render_attempt
 
     pol = tmp_path / "policies"
     pol.mkdir()

@@ -10,8 +10,8 @@ import json
 import sys
 import time
 
-from supervisor.gpus import visibility_env
-from supervisor.states import JobState
+from supervisor.core.states import JobState
+from supervisor.run.gpus import visibility_env
 
 from .test_control import add_job, daemon_factory, run_until  # noqa: F401  (fixture)
 

@@ -4,7 +4,7 @@ import os
 import stat
 import time
 
-from supervisor.gpus import capacity_for, probe_capacities
+from supervisor.run.gpus import capacity_for, probe_capacities
 
 
 def tool(bin_dir, name, body):

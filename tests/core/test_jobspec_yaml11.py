@@ -1,6 +1,6 @@
 """YAML 1.1 in job files: accept what users write (`on:` as a key, `off` as a value)."""
 
-from supervisor.jobspec import parse_job_text
+from supervisor.intake.jobspec import parse_job_text
 
 
 def test_on_as_a_key_is_the_word_and_off_as_a_value_is_false():
@@ -16,7 +16,7 @@ def test_on_as_a_key_is_the_word_and_off_as_a_value_is_false():
 def test_true_and_false_keys_stay_booleans_and_are_refused_as_keys():
     import pytest
 
-    from supervisor.jobspec import JobFileError
+    from supervisor.intake.jobspec import JobFileError
 
     with pytest.raises(JobFileError):
         parse_job_text("true: 1\nsupervisor: {command: [x]}\n")

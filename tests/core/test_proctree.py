@@ -6,8 +6,8 @@ import time
 
 import psutil
 
-from supervisor import proctree
-from supervisor.paths import AttemptPaths
+from supervisor.core.paths import AttemptPaths
+from supervisor.run import proctree
 
 from ..conftest import fakejob
 

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.jobspec import JobFileError, parse_job_text
-from supervisor.paths import SpoolPaths, StatePaths
-from supervisor.spool import intake, submit, with_workdir
-from supervisor.store import Store
+from supervisor.core.paths import SpoolPaths, StatePaths
+from supervisor.intake.jobspec import JobFileError, parse_job_text
+from supervisor.intake.spool import intake, submit, with_workdir
+from supervisor.record.store import Store
 
 from ..conftest import command_job, drop
 

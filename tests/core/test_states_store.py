@@ -2,8 +2,8 @@ import sqlite3
 
 import pytest
 
-from supervisor.states import TERMINAL, TRANSITIONS, IllegalTransition, JobState
-from supervisor.store import SCHEMA_VERSION, SchemaTooNew, Store
+from supervisor.core.states import TERMINAL, TRANSITIONS, IllegalTransition, JobState
+from supervisor.record.store import SCHEMA_VERSION, SchemaTooNew, Store
 
 
 def make(tmp_path):

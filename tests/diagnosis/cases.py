@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from supervisor.models import ExitRecord, HostEvidence
+from supervisor.core.models import ExitRecord, HostEvidence
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
 

@@ -6,7 +6,7 @@ import argparse
 import io
 import json
 
-from supervisor.diagnosis import explain
+from supervisor.cli import explain
 from tests.diagnosis.cases import FIXTURES
 
 

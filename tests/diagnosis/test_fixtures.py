@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from supervisor.diagnosis import LogScanner, diagnose_bytes
+from supervisor.judge.diagnosis import LogScanner, diagnose_bytes
 from tests.diagnosis.cases import fixture_cases, load_case
 
 CASES = fixture_cases()

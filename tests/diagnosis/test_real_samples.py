@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 
-from supervisor.diagnosis import LogScanner
-from supervisor.models import Category, ExitRecord
+from supervisor.core.models import Category, ExitRecord
+from supervisor.judge.diagnosis import LogScanner
 from tests.conftest_ml import needs_llamafactory, tiny_assets, tiny_job, train, write_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]

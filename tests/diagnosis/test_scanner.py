@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.diagnosis import LogScanner, diagnose_bytes, diagnose_file
-from supervisor.diagnosis.conclude import _oom_numbers
-from supervisor.diagnosis.rules import KEYWORDS
-from supervisor.diagnosis.sizes import human, parse_size
-from supervisor.models import Category, ExitRecord, HostEvidence, Phase
+from supervisor.core.models import Category, ExitRecord, HostEvidence, Phase
+from supervisor.judge.diagnosis import LogScanner, diagnose_bytes, diagnose_file
+from supervisor.judge.diagnosis.conclude import _oom_numbers
+from supervisor.judge.diagnosis.rules import KEYWORDS
+from supervisor.judge.diagnosis.sizes import human, parse_size
 from tests.diagnosis.cases import fixture_cases, load_case
 
 REPO = Path(__file__).resolve().parents[2]
@@ -249,7 +249,7 @@ def test_every_evidence_line_of_every_fixture_holds_a_prefilter_keyword():
 def test_trie_pattern_matches_exactly_the_words():
     import re as _re
 
-    from supervisor.diagnosis.fastre import trie_pattern
+    from supervisor.judge.diagnosis.fastre import trie_pattern
 
     words = [b"Error:", b"Errno 28", b"HIP", b"hipError", b"*****", b"a", b"ab"]
     rx = _re.compile(trie_pattern(words))
@@ -263,7 +263,7 @@ def test_trie_pattern_matches_exactly_the_words():
 
 
 def test_resumed_attempt_reports_the_resume_step_not_its_bar_starting_at_zero():
-    from supervisor.diagnosis import LogScanner
+    from supervisor.judge.diagnosis import LogScanner
 
     s = LogScanner(initial_step=8)
     s.feed(b"  0%|          | 0/9 [00:00<?, ?it/s]\n"
@@ -274,8 +274,8 @@ def test_resumed_attempt_reports_the_resume_step_not_its_bar_starting_at_zero():
 
 
 def test_host_oom_says_the_limit_and_the_peak():
-    from supervisor.diagnosis import diagnose_bytes
-    from supervisor.models import ExitRecord, HostEvidence
+    from supervisor.core.models import ExitRecord, HostEvidence
+    from supervisor.judge.diagnosis import diagnose_bytes
 
     d = diagnose_bytes(b"RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
                        b"allocate memory: you tried to allocate 65028096 bytes. Error code 12\n",

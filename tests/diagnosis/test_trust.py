@@ -7,8 +7,8 @@ import dataclasses
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.diagnosis import LogScanner, diagnose_bytes
-from supervisor.models import Category, ExitRecord, HostEvidence
+from supervisor.core.models import Category, ExitRecord, HostEvidence
+from supervisor.judge.diagnosis import LogScanner, diagnose_bytes
 from tests.diagnosis.cases import fixture_cases, load_case
 
 GIB = 2**30

@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.demo.run import DEMO_CGROUP_LIMIT, DEMO_RLIMIT, DEMO_SAVE_STEPS, default_launcher, demo_job
-from supervisor.limits import detect_cgroup
+from supervisor.demo.run import (
+    DEMO_CGROUP_LIMIT,
+    DEMO_RLIMIT,
+    DEMO_SAVE_STEPS,
+    default_launcher,
+    demo_job,
+)
+from supervisor.run.limits import detect_cgroup
 
 from ..conftest import DaemonProc, drop, pids_with_marker, write_config
 

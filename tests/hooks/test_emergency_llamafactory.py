@@ -19,14 +19,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.checkpoints import plan_resume, run_shape, scan_output_dir
+from supervisor.core.models import ExitRecord
 from supervisor.demo.assets import build_demo_assets, demo_job_config
 from supervisor.demo.run import DEMO_RLIMIT
-from supervisor.diagnosis import diagnose_file
 from supervisor.hooks.markers import parse_emergency
-from supervisor.models import ExitRecord
-from supervisor.policy.render import HOOK_DIR
-from supervisor.progress import read_progress, steps_lost
+from supervisor.judge.diagnosis import diagnose_file
+from supervisor.judge.policy.render import HOOK_DIR
+from supervisor.judge.resume import plan_resume, run_shape
+from supervisor.run.checkpoints import scan_output_dir
+from supervisor.run.progress import read_progress, steps_lost
 from tests.conftest_ml import LLAMAFACTORY_CLI, TRAIN_ENV, needs_llamafactory, steps_logged
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]

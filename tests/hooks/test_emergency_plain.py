@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.checkpoints import scan_output_dir
-from supervisor.diagnosis import diagnose_file
+from supervisor.core.models import ExitRecord
 from supervisor.hooks.markers import parse_emergency
-from supervisor.models import ExitRecord
-from supervisor.policy.render import HOOK_DIR
+from supervisor.judge.diagnosis import diagnose_file
+from supervisor.judge.policy.render import HOOK_DIR
+from supervisor.run.checkpoints import scan_output_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from supervisor.jobspec import parse_job_text
-from supervisor.models import Overrides
-from supervisor.policy import render_attempt
-from supervisor.policy.render import EMERGENCY_CKPT_ENV, HOOK_DIR
+from supervisor.core.models import Overrides
+from supervisor.intake.jobspec import parse_job_text
+from supervisor.judge.policy import render_attempt
+from supervisor.judge.policy.render import EMERGENCY_CKPT_ENV, HOOK_DIR
 
 ATTEMPT = Path("/var/lib/oom-supervisor/jobs/1/attempt-2")
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from supervisor.policy.render import HOOK_DIR
+from supervisor.judge.policy.render import HOOK_DIR
 
 
 def hook_env(**extra: str) -> dict[str, str]:

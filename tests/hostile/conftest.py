@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.paths import SpoolPaths, StatePaths
-from supervisor.store import Store
+from supervisor.core.paths import SpoolPaths, StatePaths
+from supervisor.record.store import Store
 
 
 @pytest.fixture

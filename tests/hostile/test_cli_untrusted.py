@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.states import JobState
-from supervisor.store import Store
+from supervisor.core.states import JobState
+from supervisor.record.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 NASTY = ["[/bold]", "[rank1]", "[red]x", "[cuda, PyTorch caching allocator]", "[link=file:///etc]y[/link]"]
@@ -171,8 +171,8 @@ def test_submit_onto_a_full_spool_disk_says_so(tmp_path, full_disk):
 
 
 def test_intake_on_a_full_spool_disk_still_moves_bad_files_aside(tmp_path, full_disk):
-    from supervisor.paths import SpoolPaths, StatePaths
-    from supervisor.spool import intake
+    from supervisor.core.paths import SpoolPaths, StatePaths
+    from supervisor.intake.spool import intake
 
     spool = SpoolPaths(full_disk / "spool")
     os.rename(full_disk / "filler", full_disk / "spool" / "incoming" / "bad.yaml")  # garbage, fills the disk

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor import spool as spool_mod
-from supervisor.jobspec import JobFileError, parse_job_text
-from supervisor.paths import SpoolPaths
-from supervisor.spool import intake
-from supervisor.store import Store
+from supervisor.core.paths import SpoolPaths
+from supervisor.intake import spool as spool_mod
+from supervisor.intake.jobspec import JobFileError, parse_job_text
+from supervisor.intake.spool import intake
+from supervisor.record.store import Store
 
 from .conftest import put, reasons
 
@@ -173,9 +173,9 @@ def test_future_mtime_file_still_being_written_waits(env, tmp_path):
 RACER = r"""
 import sys, time
 from pathlib import Path
-from supervisor.paths import SpoolPaths, StatePaths
-from supervisor.spool import intake
-from supervisor.store import Store
+from supervisor.core.paths import SpoolPaths, StatePaths
+from supervisor.intake.spool import intake
+from supervisor.record.store import Store
 spool, state = SpoolPaths(Path(sys.argv[1])), StatePaths(Path(sys.argv[2]))
 state.ensure()
 store = Store(state.db)
@@ -239,7 +239,7 @@ def test_unknown_policy_refused_at_intake(env, tmp_path):
 
 
 def test_a_policy_parse_error_never_quotes_the_file(tmp_path):
-    from supervisor.policy.schema import PolicyError, load_policy_by_name
+    from supervisor.judge.policy.schema import PolicyError, load_policy_by_name
 
     (tmp_path / "leaky.yaml").write_text("name: x\nsecret: [TOKEN-abc123\n")
     with pytest.raises(PolicyError) as err:
@@ -275,7 +275,7 @@ def test_job_file_with_tokens_is_private(env, tmp_path):
 
 
 def test_submit_writes_group_readable_not_world_readable(env, tmp_path):
-    from supervisor.spool import submit
+    from supervisor.intake.spool import submit
 
     spool, _, _ = env
     dest = submit(spool, job(tmp_path, env={"HF_TOKEN": "x"}), name="s.yaml", cwd=tmp_path)
@@ -283,7 +283,7 @@ def test_submit_writes_group_readable_not_world_readable(env, tmp_path):
 
 
 def test_atomic_writes_are_private_by_default(tmp_path):
-    from supervisor.fsutil import atomic_write_json
+    from supervisor.run.fsutil import atomic_write_json
 
     atomic_write_json(tmp_path / "x.json", {"token": "t"})
     assert stat.S_IMODE((tmp_path / "x.json").stat().st_mode) == 0o600
@@ -376,7 +376,7 @@ def test_thousands_of_unknown_keys_are_refused_quickly(env, text, needle):
 
 def test_atomic_write_of_a_250_byte_name(tmp_path):
     """Its temp name (dot + name + random + .tmp) used to exceed the 255-byte limit."""
-    from supervisor.fsutil import atomic_write_text
+    from supervisor.run.fsutil import atomic_write_text
 
     atomic_write_text(tmp_path / ("n" * 250), "x")
     assert (tmp_path / ("n" * 250)).read_text() == "x" and len(os.listdir(tmp_path)) == 1

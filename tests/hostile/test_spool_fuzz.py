@@ -15,10 +15,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor import cli
-from supervisor.paths import SpoolPaths, StatePaths
-from supervisor.spool import intake
-from supervisor.store import Store
+from supervisor.cli import main as cli
+from supervisor.core.paths import SpoolPaths, StatePaths
+from supervisor.intake.spool import intake
+from supervisor.record.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from supervisor.models import Category, Diagnosis, JobContext, Overrides
-from supervisor.policy import BUILTIN_POLICY_DIR, load_policy
-from supervisor.policy import learn as L
-from supervisor.policy import rungs as R
+from supervisor.core.models import Category, Diagnosis, JobContext, Overrides
+from supervisor.judge.policy import BUILTIN_POLICY_DIR, load_policy
+from supervisor.judge.policy import learn as L
+from supervisor.judge.policy import rungs as R
 
 GiB = 1 << 30
 POLICY = load_policy("default", search_dirs=[BUILTIN_POLICY_DIR])

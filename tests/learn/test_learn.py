@@ -7,9 +7,9 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.models import Overrides
-from supervisor.policy import learn as L
-from supervisor.policy import rungs as R
+from supervisor.core.models import Overrides
+from supervisor.judge.policy import learn as L
+from supervisor.judge.policy import rungs as R
 
 from .builders import (
     PARAMS,

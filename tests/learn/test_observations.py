@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from supervisor import observations as O
-from supervisor.models import Overrides
-from supervisor.policy import learn as L
-from supervisor.policy import rungs as R
+from supervisor.core.models import Overrides
+from supervisor.judge.policy import learn as L
+from supervisor.judge.policy import rungs as R
+from supervisor.record import observations as O
 
 from .builders import POLICY, GiB, cpu_job, demo_night, gpu_job, host_oom, split
 
@@ -91,7 +91,7 @@ def test_similar_filters_by_gpu_world_and_finetuning(tmp_path):
 
 
 def test_the_three_daemon_calls_round_trip_and_never_raise(tmp_path):
-    from supervisor.models import HostEvidence
+    from supervisor.core.models import HostEvidence
 
     ctx = cpu_job()
     state = tmp_path / "state"
@@ -138,10 +138,10 @@ DEMO_ATTEMPTS = ((1, 16, 1_563_549_696, 8, None, "host_oom"), (2, 8, 1_656_037_3
 
 
 def test_measured_demo_night_resubmitted_starts_at_4x4_with_the_reason(tmp_path):
-    from supervisor.jobspec import parse_job_text
-    from supervisor.models import Category, Diagnosis, HostEvidence
-    from supervisor.policy import plan
-    from supervisor.policy.estimate import read_model_shape
+    from supervisor.cli import plan
+    from supervisor.core.models import Category, Diagnosis, HostEvidence
+    from supervisor.intake.jobspec import parse_job_text
+    from supervisor.judge.policy.estimate import read_model_shape
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(DEMO_MODEL))

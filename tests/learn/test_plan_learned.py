@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 
-from supervisor import observations as O
-from supervisor.jobspec import parse_job_text
-from supervisor.policy import learn as L
-from supervisor.policy import plan
-from supervisor.policy.estimate import read_model_shape
+from supervisor.cli import plan
+from supervisor.intake.jobspec import parse_job_text
+from supervisor.judge.policy import learn as L
+from supervisor.judge.policy.estimate import read_model_shape
+from supervisor.record import observations as O
 
 from .builders import GiB, host_oom, split
 

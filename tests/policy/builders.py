@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor.models import (
+from supervisor.core.models import (
     AttemptRecord,
     Category,
     Diagnosis,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from supervisor.policy import BUILTIN_POLICY_DIR, load_policy
+from supervisor.judge.policy import BUILTIN_POLICY_DIR, load_policy
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.models import Category, DecisionKind, Overrides, Phase
-from supervisor.policy import backoff_delay, decide, parse_policy_text
+from supervisor.core.models import Category, DecisionKind, Overrides, Phase
+from supervisor.judge.policy import backoff_delay, decide, parse_policy_text
 
 from .builders import GiB, attempt, diag, job, oom
 

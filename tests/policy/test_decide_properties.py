@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.models import DecisionKind, Overrides, Phase
-from supervisor.policy import BUILTIN_POLICY_DIR, decide, load_policy
+from supervisor.core.models import DecisionKind, Overrides, Phase
+from supervisor.judge.policy import BUILTIN_POLICY_DIR, decide, load_policy
 
 from .builders import GiB, attempt, job, oom
 
@@ -45,7 +45,7 @@ def test_escalations_keep_the_effective_batch_and_never_repeat(micro, accum, wor
        phases=st.lists(PHASES, min_size=1, max_size=8), host_gib=st.sampled_from([None, 64, 256, 1024]),
        ds_explicit=st.booleans())
 def test_no_escalation_changes_the_world_size_or_breaks_the_deepspeed_pair(world, n, phases, host_gib, ds_explicit):
-    from supervisor.deepspeed_config import check_launch_pair
+    from supervisor.intake.deepspeed_config import check_launch_pair
 
     kw = {"gpus": tuple(range(n))} if world == "gpus" else \
         {"nproc_per_node": n, "visible_gpu_count": 8} if world == "nproc" else \

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from supervisor.policy import BUILTIN_POLICY_DIR, PolicyError, load_policy, parse_policy_text
-from supervisor.policy.estimate import (
+from supervisor.judge.policy import BUILTIN_POLICY_DIR, PolicyError, load_policy, parse_policy_text
+from supervisor.judge.policy.estimate import (
     Setup,
     activation_bytes,
     model_states,
@@ -19,7 +19,7 @@ from supervisor.policy.estimate import (
     zero2_model_states,
     zero3_model_states,
 )
-from supervisor.policy.render import HOOK_DIR
+from supervisor.judge.policy.render import HOOK_DIR
 
 LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "vocab_size": 128256,
              "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False}
@@ -126,9 +126,9 @@ def test_rendered_files_pass_llamafactorys_own_parser(tmp_path, default_policy):
     """The effective YAML + generated DeepSpeed JSON as LLaMA-Factory 0.9.5 and transformers read them."""
     pytest.importorskip("llamafactory", reason="llamafactory not installed")
     pytest.importorskip("deepspeed", reason="deepspeed not installed")
-    from supervisor.jobspec import parse_job_text
-    from supervisor.models import Overrides, Phase
-    from supervisor.policy import decide, render_attempt
+    from supervisor.core.models import Overrides, Phase
+    from supervisor.intake.jobspec import parse_job_text
+    from supervisor.judge.policy import decide, render_attempt
 
     from .builders import attempt, job, oom
 
@@ -154,8 +154,8 @@ def test_rendered_files_pass_llamafactorys_own_parser(tmp_path, default_policy):
 def test_allocator_strings_we_generate_parse_in_the_installed_torch(default_policy):
     """Unknown allocator options abort a run; the installed torch's own parser must accept ours."""
     pytest.importorskip("torch")
-    from supervisor.models import Overrides
-    from supervisor.policy import decide
+    from supervisor.core.models import Overrides
+    from supervisor.judge.policy import decide
 
     from .builders import attempt, job, oom
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from supervisor.deepspeed_config import check_launch_pair
-from supervisor.models import Category, DecisionKind, Diagnosis, Overrides, Phase
-from supervisor.policy import decide
+from supervisor.core.models import Category, DecisionKind, Diagnosis, Overrides, Phase
+from supervisor.intake.deepspeed_config import check_launch_pair
+from supervisor.judge.policy import decide
 
 from .builders import GiB, attempt, job, oom
 
@@ -83,8 +83,8 @@ def test_launch_pair_check_names_what_transformers_refuses():
 
 
 def test_rendered_attempt_carries_the_rewritten_deepspeed_json(default_policy, tmp_path):
-    from supervisor.jobspec import parse_job_text
-    from supervisor.policy import render_attempt
+    from supervisor.intake.jobspec import parse_job_text
+    from supervisor.judge.policy import render_attempt
 
     (tmp_path / "ds.json").write_text(json.dumps(EXPLICIT_DS))
     text = ("model_name_or_path: /m\nstage: sft\ndo_train: true\nfinetuning_type: lora\ndataset: x\n"
@@ -100,7 +100,7 @@ def test_rendered_attempt_carries_the_rewritten_deepspeed_json(default_policy, t
     eff = yaml.safe_load(r.files["effective.yaml"])
     assert eff["deepspeed"] == str(tmp_path / "a1" / "ds_config.json")
     assert check_launch_pair(eff, ds, world_size=2) == []
-    from supervisor.policy import check_rendered
+    from supervisor.judge.policy import check_rendered
 
     assert check_rendered(r, user_deepspeed=EXPLICIT_DS, world_size=2) == []
     # the same YAML split against the user's unrewritten JSON is what transformers refuses
@@ -206,8 +206,8 @@ def test_memory_cap_alone_when_pytorch_fits_under_it(default_policy):
 
 
 def test_reserved_unallocated_counts_in_the_fit_even_without_the_fragmentation_flag(default_policy):
-    from supervisor.policy import search as S
-    from supervisor.policy.decide import memory_picture
+    from supervisor.judge.policy import search as S
+    from supervisor.judge.policy.decide import memory_picture
 
     shape = {"hidden_size": 4096, "num_layers": 32, "vocab_size": 128256}
     j = job({"finetuning_type": "lora", "cutoff_len": 2048, "per_device_train_batch_size": 8},
@@ -301,8 +301,8 @@ def test_transformers_accepts_the_rewritten_pair_and_refuses_the_unrewritten_one
 
     import yaml
 
-    from supervisor.jobspec import parse_job_text
-    from supervisor.policy import render_attempt
+    from supervisor.intake.jobspec import parse_job_text
+    from supervisor.judge.policy import render_attempt
 
     ds1 = {**EXPLICIT_DS, "train_batch_size": 16}  # world size 1 here
     (tmp_path / "ds.json").write_text(json.dumps(ds1))
@@ -367,7 +367,7 @@ def test_a_library_oom_takes_one_allocator_step_not_four(default_policy):
 def test_an_oom_under_the_cap_counts_the_cap_not_the_free_gpu(default_policy):
     # capped at 0.88 of 48 GiB = 42.2 GiB; PyTorch holds 42 GiB and wants 2 more: the 5.8 GiB the
     # GPU still has free are outside the cap, so it is 1.8 GiB short, not 0.
-    from supervisor.policy.decide import memory_picture
+    from supervisor.judge.policy.decide import memory_picture
 
     numbers = {"total_capacity": 48 * GiB, "free": int(5.8 * GiB), "allowed": int(0.88 * 48 * GiB),
                "tried_to_allocate": 2 * GiB}
@@ -377,8 +377,8 @@ def test_an_oom_under_the_cap_counts_the_cap_not_the_free_gpu(default_policy):
 
 
 def test_the_search_judges_a_capped_configuration_against_the_cap(default_policy):
-    from supervisor.policy import search as S
-    from supervisor.policy.decide import memory_picture
+    from supervisor.judge.policy import search as S
+    from supervisor.judge.policy.decide import memory_picture
 
     cap = 44 * GiB
     j = job({"finetuning_type": "lora", "cutoff_len": 2048, "per_device_train_batch_size": 8},

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.llamafactory.launch import launch_fields, pinned_nproc, visible_gpu_count
-from supervisor.models import JobContext
+from supervisor.core.models import JobContext
+from supervisor.intake.llamafactory.launch import launch_fields, pinned_nproc, visible_gpu_count
 
 
 @pytest.mark.parametrize("env,probed,expected", [

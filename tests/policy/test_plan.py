@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from supervisor.policy import plan
+from supervisor.cli import plan
 
 LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "vocab_size": 128256,
              "num_attention_heads": 32, "num_key_value_heads": 8}

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.jobspec import parse_job_text
-from supervisor.models import Overrides, Phase
-from supervisor.policy import decide, render_attempt
+from supervisor.core.models import Overrides, Phase
+from supervisor.intake.jobspec import parse_job_text
+from supervisor.judge.policy import decide, render_attempt
 from tests.conftest_ml import (
     LLAMAFACTORY_CLI,
     TRAIN_ENV,

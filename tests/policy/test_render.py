@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.deepspeed_config import validate_deepspeed_config, zero3_offload_config
-from supervisor.jobspec import parse_job_text
-from supervisor.models import Overrides, Phase
-from supervisor.policy import decide, render_attempt
-from supervisor.policy.render import EMERGENCY_CKPT_ENV, HOOK_DIR
+from supervisor.core.models import Overrides, Phase
+from supervisor.intake.deepspeed_config import validate_deepspeed_config, zero3_offload_config
+from supervisor.intake.jobspec import parse_job_text
+from supervisor.judge.policy import decide, render_attempt
+from supervisor.judge.policy.render import EMERGENCY_CKPT_ENV, HOOK_DIR
 
 from .builders import attempt, job, oom
 

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from supervisor.models import DecisionKind, Overrides, Phase
-from supervisor.policy import decide
-from supervisor.policy.search import base_need, calibration
+from supervisor.core.models import DecisionKind, Overrides, Phase
+from supervisor.judge.policy import decide
+from supervisor.judge.policy.search import base_need, calibration
 
 from .builders import GiB, attempt, job, oom
 

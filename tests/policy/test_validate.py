@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.deepspeed_config import validate_deepspeed_config
-from supervisor.jobspec import JobFileError, parse_job_text
-from supervisor.llamafactory.validate import validate_config
+from supervisor.intake.deepspeed_config import validate_deepspeed_config
+from supervisor.intake.jobspec import JobFileError, parse_job_text
+from supervisor.intake.llamafactory.validate import validate_config
 
 BASE = {"model_name_or_path": "/models/llama", "stage": "sft", "do_train": True, "dataset": "alpaca_zh",
         "template": "llama3", "output_dir": "saves/x"}
@@ -140,7 +140,7 @@ def test_validation_does_not_import_torch():
 
 
 def test_save_only_model_is_a_warning_not_a_problem(tmp_path):
-    from supervisor.llamafactory.validate import config_warnings, validate_config
+    from supervisor.intake.llamafactory.validate import config_warnings, validate_config
 
     cfg = {"model_name_or_path": "m", "stage": "sft", "do_train": True, "output_dir": "o",
            "save_only_model": True}

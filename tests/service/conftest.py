@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import structlog.testing
 
-from supervisor.logsetup import log
+from supervisor.service.logsetup import log
 
 
 class CapturedLog:

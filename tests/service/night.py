@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from supervisor.paths import StatePaths
-from supervisor.states import JobState
-from supervisor.store import Store
+from supervisor.core.paths import StatePaths
+from supervisor.core.states import JobState
+from supervisor.record.store import Store
 
 GiB = 1 << 30
 

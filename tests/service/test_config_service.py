@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import ConfigError, default_dirs, load_config
+from supervisor.daemon.config import ConfigError, default_dirs, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

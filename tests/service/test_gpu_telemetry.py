@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.gpus import VramSampler, compute_apps_vram, read_vram, wait_vram_released
+from supervisor.run.gpus import VramSampler, compute_apps_vram, read_vram, wait_vram_released
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -9,8 +9,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.config import MetricsSpec
-from supervisor.metrics import Metrics, RunningJob
+from supervisor.daemon.config import MetricsSpec
+from supervisor.service.metrics import Metrics, RunningJob
 
 from .night import GiB, build_night
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.report import collect, split_runs
+from supervisor.service.report import collect, split_runs
 
 from .night import build_night
 
@@ -43,8 +43,8 @@ def demo_night(tmp_path: Path) -> Path:
 
 
 def test_the_recorded_demo_night(tmp_path):
-    from supervisor.paths import StatePaths
-    from supervisor.store import Store
+    from supervisor.core.paths import StatePaths
+    from supervisor.record.store import Store
 
     state = demo_night(tmp_path)
     night = collect(Store(state / "state.sqlite3"), StatePaths(state))

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.sdnotify import ServiceNotifier, status_from_store, status_line, watchdog_interval
+from supervisor.service.sdnotify import (
+    ServiceNotifier,
+    status_from_store,
+    status_line,
+    watchdog_interval,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import time
 
-from supervisor.config import WebhookSpec
-from supervisor.notify import Notifier
-from supervisor.webhooks import Webhooks, event_text
+from supervisor.daemon.config import WebhookSpec
+from supervisor.service.notify import Notifier
+from supervisor.service.webhooks import Webhooks, event_text
 
 SECRET_PATH = "/services/T000/B000/XXXXsecrettoken"
 EVENT = {"event": "failed", "job": 3, "name": "llama-lora", "message": "GPU OOM on every rung",

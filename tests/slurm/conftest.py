@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import slurm as sl
+from supervisor.run import slurm as sl
 
 REPO = Path(__file__).resolve().parents[2]
 # A Python process that allocates 16 MiB at a time until something stops it.

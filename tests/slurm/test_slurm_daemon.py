@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor import slurm as sl
+from supervisor.run import slurm as sl
 
 from ..conftest import DaemonProc, command_job, drop, write_config
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from supervisor import slurm as sl
+from supervisor.run import slurm as sl
 
 OOM_LINE = ("JobId=1 JobName=oom.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
             "Account=(null) QOS=(null) JobState=OUT_OF_MEMORY Reason=OutOfMemory Dependency=(null) Requeue=1 "

@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from supervisor import slurm as sl
-from supervisor.diagnosis import diagnose_bytes
-from supervisor.models import Category
+from supervisor.core.models import Category
+from supervisor.judge.diagnosis import diagnose_bytes
+from supervisor.run import slurm as sl
 
 from .conftest import ALLOC, go, py, wait_file, wait_state, wait_terminal
 

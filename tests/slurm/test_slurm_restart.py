@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import slurm as sl
+from supervisor.run import slurm as sl
 
 from .conftest import go, wait_file, wait_state, wait_terminal
 

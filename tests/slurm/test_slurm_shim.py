@@ -11,9 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from supervisor import slurm as sl
-from supervisor.diagnosis import diagnose_bytes
-from supervisor.models import Category, ExitRecord, HostEvidence
+from supervisor.core.models import Category, ExitRecord, HostEvidence
+from supervisor.judge.diagnosis import diagnose_bytes
+from supervisor.run import slurm as sl
 
 from .conftest import ALLOC, go, wait_file, wait_terminal
 
@@ -43,7 +43,7 @@ def via_shim(tmp_path: Path, argv: list[str], name: str, **kw):
         "exit_record": str(att / "exit.json"), "rlimits": {}, "cgroup_procs": None, "owner_procs": None,
         "max_log_bytes": None}))
     sub, log = go(tmp_path, [str(launch)], name, env={"PYTHONPATH": str(REPO)},
-                  settings=sl.SlurmSettings(launcher_prefix=[sys.executable, "-m", "supervisor.shim"]), **kw)
+                  settings=sl.SlurmSettings(launcher_prefix=[sys.executable, "-m", "supervisor.run.shim"]), **kw)
     return sub, log, att
 
 

@@ -1,0 +1,467 @@
+"""`oom-supervisor` command line.
+
+Exit codes: 0 ok, 1 failure (e.g. the job failed, the daemon could not run),
+2 usage or bad input (a refused job file, an unknown job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", type=Path, help="state folder (env OOM_SUPERVISOR_STATE_DIR)")
+    p.add_argument("--spool-dir", type=Path, help="spool folder (env OOM_SUPERVISOR_SPOOL_DIR)")
+    p.add_argument("--config", type=Path, help="daemon config file (env OOM_SUPERVISOR_CONFIG)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oom-supervisor",
+        description="Run fine-tuning jobs unattended: diagnose OOMs and other failures, remedy, resume.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("daemon", help="run the supervisor in the foreground (what systemd runs)")
+    _common(p)
+    p.add_argument("--json-logs", action="store_true", default=None, help="JSON log lines even on a TTY")
+
+    p = sub.add_parser("submit", help="validate a job file and put it in the spool")
+    _common(p)
+    p.add_argument("file", type=Path)
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to SECONDS for the daemon to accept it and print the job id")
+    p.add_argument("--after", type=int, action="append", default=[], metavar="JOB",
+                   help="start only once job JOB has succeeded (repeatable)")
+
+    p = sub.add_parser("status", help="one line per job")
+    _common(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("show", help="a job's full timeline: attempts, exits, diagnoses, decisions")
+    _common(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("logs", help="print an attempt's log")
+    _common(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--attempt", type=int, help="attempt number (default: the latest)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep following until the job ends")
+
+    p = sub.add_parser("watch", help="a live view of one job until it ends")
+    _common(p)
+    p.add_argument("job", type=int)
+    p.add_argument("--interval", type=float, default=1.0)
+
+    for name, helptext in (("cancel", "cancel a job (stops its attempt if running)"),
+                           ("retry", "queue a failed, cancelled or waiting job again now")):
+        p = sub.add_parser(name, help=helptext)
+        _common(p)
+        p.add_argument("job", type=int)
+
+    p = sub.add_parser("unpause", help="resume scheduling after the queue was paused (e.g. disk full)")
+    _common(p)
+
+    p = sub.add_parser("explain", help="diagnose any log file")
+    from supervisor.cli import explain
+
+    explain.configure(p)
+
+    p = sub.add_parser("plan", help="show the remedy ladder a job would climb, without running it")
+    _common(p)
+    from supervisor.cli import plan
+
+    plan.configure(p)
+
+    p = sub.add_parser("report", help="the morning report: an HTML page with plots and a Markdown summary")
+    _common(p)
+    p.add_argument("jobs", nargs="*", type=int, metavar="JOB", help="only these jobs (default: recent ones)")
+    p.add_argument("--since", default="12h", help="jobs active in this period (default 12h; ignored with JOB)")
+    p.add_argument("-o", "--output", type=Path, default=Path("oom-supervisor-report"), metavar="DIR",
+                   help="folder for report.html, report.md and the PNGs (default ./oom-supervisor-report)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return EXIT_FAIL
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+def _config(args: argparse.Namespace):
+    from supervisor.daemon.config import ConfigError, load_config
+
+    try:
+        return load_config(getattr(args, "config", None), state_dir=getattr(args, "state_dir", None),
+                           spool_dir=getattr(args, "spool_dir", None))
+    except ConfigError as exc:
+        print(f"oom-supervisor: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def _store(cfg, *, must_exist: bool = True):
+    from supervisor.record.store import Store
+
+    if must_exist and not cfg.state.db.exists():
+        print(f"oom-supervisor: no state at {cfg.state.root} (has the daemon run with this --state-dir?)",
+              file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+    return Store(cfg.state.db)
+
+
+# --- commands ----------------------------------------------------------------------------
+
+def cmd_daemon(args) -> int:
+    from supervisor.daemon.loop import Daemon, DaemonLocked
+    from supervisor.service.logsetup import configure
+
+    configure(json=True if args.json_logs else None)
+    cfg = _config(args)
+    try:
+        return Daemon(cfg).run()
+    except DaemonLocked as exc:
+        print(f"oom-supervisor: {exc}", file=sys.stderr)
+        return EXIT_FAIL
+
+
+def cmd_submit(args) -> int:
+    """Exit 2 with one paragraph for anything wrong with the file or the spool; never a
+    traceback, never a hang (parsing is bounded, FIFOs are not opened for reading)."""
+    from supervisor.intake.jobspec import JobFileError
+    from supervisor.intake.spool import display_name, submit
+
+    cfg = _config(args)
+    shown = display_name(str(args.file))
+    try:
+        text = _read_job_file(args.file, cfg.max_job_file_bytes)
+    except _Refused as exc:
+        print(f"oom-supervisor: {shown}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.after:
+            from supervisor.intake.spool import with_after
+
+            text = with_after(text, args.after)
+        dest = submit(cfg.spool, text, name=Path(args.file).name, cwd=Path.cwd(),
+                      policy_dirs=cfg.policy_search_dirs())
+    except JobFileError as err:
+        print(err.report(), file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        where = display_name(exc.filename) if getattr(exc, "filename", None) else str(cfg.spool.incoming)
+        print(f"oom-supervisor: cannot write the job into the spool {cfg.spool.incoming}: {where}: "
+              f"{exc.strerror or exc} ({_why_unwritable(exc)}); nothing was submitted", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # a bug of ours must still not print a traceback at the user
+        print(f"oom-supervisor: {shown} could not be checked ({type(exc).__name__}: {str(exc)[:200]}); "
+              "nothing was submitted", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"submitted {shown} as {dest}")
+    if args.wait > 0:
+        return _wait_accepted(cfg, dest, args.wait)
+    return EXIT_OK
+
+
+class _Refused(Exception):
+    pass
+
+
+def _read_job_file(path: Path, max_bytes: int) -> str:
+    """The job file's text; _Refused saying why it cannot be one."""
+    import errno
+    import os
+    import stat as stat_mod
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO must not block
+    except FileNotFoundError:
+        raise _Refused("no such file") from None
+    except OSError as exc:
+        raise _Refused(f"cannot be opened: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise _Refused("not a regular file")
+        if st.st_size > max_bytes:
+            raise _Refused(f"is {st.st_size} bytes; job files are limited to {max_bytes} bytes")
+        data = b""
+        while len(data) <= max_bytes:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        if len(data) > max_bytes:
+            raise _Refused(f"is larger than {max_bytes} bytes (it grew while being read)")
+    except OSError as exc:
+        raise _Refused(f"cannot be read: {errno.errorcode.get(exc.errno, '')} {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Refused(f"is not UTF-8 text (byte {exc.start}); job files are YAML text") from None
+
+
+def _why_unwritable(exc: OSError) -> str:
+    import errno
+
+    return {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
+            errno.EROFS: "the file system is read-only", errno.EACCES: "no permission to write there",
+            errno.EPERM: "no permission to write there", errno.EEXIST: "a file is in the way of a folder",
+            errno.ENOTDIR: "a file is in the way of a folder"}.get(exc.errno, "check the spool folder")
+
+
+def _wait_accepted(cfg, dest: Path, wait_s: float) -> int:
+    deadline = time.monotonic() + wait_s
+    rejected = cfg.spool.rejected / (dest.name + ".error.txt")
+    while time.monotonic() < deadline:
+        if cfg.state.db.exists():
+            store = _store(cfg)
+            row = store.conn.execute("SELECT id FROM jobs WHERE source=?", (dest.name,)).fetchone()
+            store.close()
+            if row:
+                print(f"job {row[0]}")
+                return EXIT_OK
+        if rejected.exists():
+            print(rejected.read_text(errors="replace"), file=sys.stderr)
+            return EXIT_USAGE
+        time.sleep(0.2)
+    print("oom-supervisor: the daemon has not picked it up yet (is it running?)", file=sys.stderr)
+    return EXIT_FAIL
+
+
+def cmd_status(args) -> int:
+    from supervisor.cli.timeline import job_summary
+
+    cfg = _config(args)
+    if not cfg.state.db.exists():
+        print("[]" if args.json else "no jobs yet")
+        return EXIT_OK
+    store = _store(cfg)
+    rows = [job_summary(store, j) for j in store.jobs()]
+    paused = store.get_meta("queue_paused")
+    store.close()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from supervisor.cli.show import clean
+
+    # Names and reasons are untrusted (job files, logs): Text, never markup, no control codes.
+    rows, paused = clean(rows), clean(paused)
+    console = Console(highlight=False)
+    wide = console.width >= 120
+    table = Table(box=None, pad_edge=False)
+    for col in ("ID", "NAME", "STATE", "ATT", "PROGRESS", "LAST", "REMEDY"):
+        table.add_column(col, no_wrap=True)
+    if wide:
+        table.add_column("WHY", overflow="fold")
+    for r in rows:
+        cells = [str(r["id"]), r["name"], r["state"], str(r["attempts"]), r["progress"] or "-",
+                 r["last_diagnosis"] or "-", r["remedy"] or "-"]
+        table.add_row(*(Text(str(c)) for c in cells), *([Text(r["reason"] or "")] if wide else []))
+    if paused:
+        line = Text("queue paused", style="bold red")
+        line.append(f": {paused} (fix it, then `oom-supervisor unpause`)")
+        console.print(line)
+    console.print(table if rows else Text("no jobs yet"))
+    if not wide:  # reasons on their own lines rather than cropped into a narrow column
+        for r in rows:
+            if r["reason"]:
+                console.print(Text(f"  {r['id']}: {r['reason']}"))
+    return EXIT_OK
+
+
+def _job_or_exit(store, job_id: int):
+    job = store.job(job_id)
+    if job is None:
+        print(f"oom-supervisor: no job {job_id}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+    return job
+
+
+def cmd_show(args) -> int:
+    from supervisor.cli.timeline import job_timeline
+
+    cfg = _config(args)
+    store = _store(cfg)
+    _job_or_exit(store, args.job)
+    data = job_timeline(store, args.job)
+    store.close()
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+        return EXIT_OK
+    from supervisor.cli.show import print_timeline
+
+    print_timeline(data)
+    return EXIT_OK
+
+
+def cmd_logs(args) -> int:
+    cfg = _config(args)
+    store = _store(cfg)
+    job = _job_or_exit(store, args.job)
+    last = store.last_attempt(args.job)
+    number = args.attempt or (last.number if last else None)
+    if number is None:
+        print(f"oom-supervisor: job {args.job} has no attempts yet", file=sys.stderr)
+        return EXIT_USAGE
+    path = cfg.state.job(args.job).attempt(number).log
+    if not path.exists():
+        print(f"oom-supervisor: no log for job {args.job} attempt {number}", file=sys.stderr)
+        return EXIT_USAGE
+    out = sys.stdout.buffer
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 16)
+            if chunk:
+                out.write(chunk)
+                out.flush()
+                continue
+            if not args.follow:
+                break
+            job = store.job(args.job)
+            latest = store.last_attempt(args.job)
+            if job.state.terminal or (latest and latest.number != number and not args.attempt):
+                if latest and latest.number != number and not job.state.terminal:
+                    number = latest.number
+                    f.close()
+                    return _follow_next(args, store, cfg, number)
+                break
+            time.sleep(0.5)
+    store.close()
+    return EXIT_OK
+
+
+def _follow_next(args, store, cfg, number):
+    store.close()
+    print(f"\n--- attempt {number} ---", flush=True)
+    ns = argparse.Namespace(**{**vars(args), "attempt": None})
+    return cmd_logs(ns)
+
+
+def cmd_watch(args) -> int:
+    from supervisor.cli.show import watch
+
+    cfg = _config(args)
+    store = _store(cfg)
+    _job_or_exit(store, args.job)
+    store.close()
+    return watch(cfg, args.job, interval=args.interval)
+
+
+def cmd_cancel(args) -> int:
+    from supervisor.core.states import JobState
+
+    cfg = _config(args)
+    store = _store(cfg)
+    with store.tx():
+        job = _job_or_exit(store, args.job)
+        if job.state.terminal:
+            print(f"job {job.id} is already {job.state}")
+            return EXIT_OK if job.state == JobState.CANCELLED else EXIT_USAGE
+        if job.state == JobState.RUNNING:
+            store.update_job(job.id, cancel_requested=1)
+            store.event(job.id, "cancel_requested", "cancel requested by the user; the daemon stops the attempt")
+            print(f"job {job.id}: cancel requested; the daemon stops its attempt")
+            return EXIT_OK
+        store.transition(job.id, JobState.CANCELLED, "cancelled by the user")
+    print(f"job {job.id}: cancelled")
+    return EXIT_OK
+
+
+def cmd_retry(args) -> int:
+    from supervisor.core.states import JobState
+
+    cfg = _config(args)
+    store = _store(cfg)
+    with store.tx():
+        job = _job_or_exit(store, args.job)
+        if job.state in (JobState.RUNNING, JobState.QUEUED, JobState.SUCCEEDED):
+            print(f"oom-supervisor: job {job.id} is {job.state}; only failed, cancelled, interrupted or "
+                  "waiting jobs can be retried", file=sys.stderr)
+            return EXIT_USAGE
+        store.transition(job.id, JobState.QUEUED, "retry requested by the user", not_before=None,
+                         cancel_requested=0)
+    print(f"job {job.id}: queued again (it resumes from its last complete checkpoint)")
+    return EXIT_OK
+
+
+def cmd_unpause(args) -> int:
+    cfg = _config(args)
+    store = _store(cfg)
+    reason = store.get_meta("queue_paused")
+    if not reason:
+        print("the queue is not paused")
+        return EXIT_OK
+    with store.tx() as c:
+        c.execute("DELETE FROM meta WHERE key='queue_paused'")
+        store.event(None, "queue_unpaused", f"unpaused by the user (was: {reason})")
+    print(f"queue unpaused (was: {reason})")
+    return EXIT_OK
+
+
+def cmd_explain(args) -> int:
+    from supervisor.cli import explain
+
+    return explain.run(args)
+
+
+def cmd_plan(args) -> int:
+    from supervisor.cli import plan
+    from supervisor.daemon.config import ConfigError, load_config
+
+    # The state folder's observations.sqlite3 gives the learned prediction; a plan needs no daemon,
+    # so a configuration that cannot be read only means planning without them.
+    try:
+        cfg = load_config(getattr(args, "config", None), state_dir=getattr(args, "state_dir", None),
+                          spool_dir=getattr(args, "spool_dir", None))
+        args.state_root = cfg.state.root
+    except ConfigError as exc:
+        print(f"warning: {exc}; planning without learned observations", file=sys.stderr)
+        args.state_root = None
+    return plan.run(args)
+
+
+def cmd_report(args) -> int:
+    from supervisor.intake.jobspec import parse_duration
+    from supervisor.service.report import collect, write_report
+
+    try:
+        since = time.time() - parse_duration(args.since)
+    except ValueError as exc:
+        print(f"oom-supervisor: --since: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    cfg = _config(args)
+    store = _store(cfg)
+    for job_id in args.jobs:
+        _job_or_exit(store, job_id)
+    night = collect(store, cfg.state, args.jobs or None, since=None if args.jobs else since)
+    store.close()
+    html_path, md_path = write_report(night, args.output)
+    print(f"{html_path}\n{md_path}\n({len(night.jobs)} job(s))")
+    return EXIT_OK
+
+
+COMMANDS = {
+    "daemon": cmd_daemon, "submit": cmd_submit, "status": cmd_status, "show": cmd_show,
+    "logs": cmd_logs, "watch": cmd_watch, "cancel": cmd_cancel, "retry": cmd_retry,
+    "unpause": cmd_unpause, "explain": cmd_explain, "plan": cmd_plan, "report": cmd_report,
+}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Human views of the record: `show` (the night, attempt by attempt) and `watch` (live).
+
+Everything shown here comes from job files and training logs, so it is untrusted:
+it is always rendered as `rich.text.Text`, never parsed as markup (a reason with
+`[/bold]` crashed rich; `[rank1]` vanished)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(obj: Any) -> Any:
+    """`obj` with every string's control characters shown as escapes: an ESC from a
+    training log must not drive the user's terminal (rich's Text keeps it)."""
+    if isinstance(obj, str):
+        return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", obj)
+    if isinstance(obj, dict):
+        return {k: clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    return obj
+
+
+def _ts(t: float | None) -> str:
+    if not t:
+        return "-"
+    return dt.datetime.fromtimestamp(t).strftime("%H:%M:%S")
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _exit_text(e: dict | None) -> str:
+    if not e:
+        return "-"
+    if e.get("returncode") is None:
+        return "unknown"
+    s = f"signal {e['signal']}" if e.get("signal") else f"exit {e['returncode']}"
+    if e.get("stopped_by"):
+        s += f" (stopped: {e['stopped_by']})"
+    return s
+
+
+def attempt_panel(a: dict[str, Any]) -> Panel:
+    lines = Text()
+    dur = a.get("duration_s")
+    lines.append(f"started {_ts(a['started_at'])}, ended {_ts(a['ended_at'])}"
+                 + (f" ({dur:.0f}s)" if dur else "") + "\n")
+    lines.append("remedy: ", style="bold")
+    lines.append((a.get("remedy") or "none (the configuration as submitted)") + "\n")
+    over = a.get("overrides") or {}
+    for k, v in (over.get("yaml") or {}).items():
+        lines.append(f"  yaml {k} = {v!r}\n")
+    for k, v in (over.get("env") or {}).items():
+        lines.append(f"  env  {k}={v}\n")
+    if over.get("deepspeed"):
+        lines.append("  deepspeed: generated config (see ds_config.json in the attempt folder)\n")
+    if a.get("resumed_from"):
+        lines.append(f"resumed from: {a['resumed_from']} (step {a.get('resumed_from_step')})\n")
+    prog = a.get("max_step")
+    if prog is not None:
+        lines.append(f"reached step {prog}" + (f"/{a['total_steps']}" if a.get("total_steps") else ""))
+        if a.get("steps_lost") is not None:
+            lines.append(f", steps lost: {a['steps_lost']}")
+        lines.append("\n")
+    if a.get("emergency_checkpoint"):
+        lines.append(a["emergency_checkpoint"] + "\n")
+    rates = []
+    if a.get("steps_per_s"):
+        rates.append(f"{a['steps_per_s']:.3f} steps/s")
+    if a.get("tokens_per_s"):
+        rates.append(f"{a['tokens_per_s']:.0f} tokens/s")
+    if rates or a.get("peak_host_memory_bytes"):
+        lines.append(f"throughput: {', '.join(rates) or '-'}; peak host memory: "
+                     f"{human_bytes(a.get('peak_host_memory_bytes'))}\n")
+    lines.append("exit: ", style="bold")
+    lines.append(_exit_text(a.get("exit")) + "\n")
+    d = a.get("diagnosis")
+    if d:
+        style = "green" if d["category"] == "success" else "red"
+        lines.append("diagnosis: ", style="bold")
+        lines.append(f"{d['category']}", style=style)
+        extra = [x for x in (d.get("subkind"), d.get("vendor") if d.get("vendor") != "unknown" else None,
+                             f"phase {d['phase']}" if d.get("phase") not in (None, "unknown") else None,
+                             f"rank {d['rank']}" if d.get("rank") is not None else None) if x]
+        if extra:
+            lines.append(f" ({', '.join(extra)})")
+        lines.append(f": {d.get('summary', '')}\n")
+        nums = {k: v for k, v in (d.get("numbers") or {}).items() if v is not None}
+        if nums:
+            shown = ", ".join(f"{k}={human_bytes(v) if isinstance(v, (int, float)) and k not in ('device_index', 'rank') and v > 4096 else v}"
+                              for k, v in nums.items())
+            lines.append(f"  numbers: {shown}\n")
+        for ev in (d.get("evidence") or [])[:4]:
+            lines.append(f"  line {ev['line_no']}: ", style="dim")
+            lines.append(ev["text"][:200] + "\n", style="dim")
+    dec = a.get("decision")
+    if dec:
+        lines.append("decision: ", style="bold")
+        lines.append(f"{dec.get('kind')}" + (f" -> {dec['rung']}" if dec.get("rung") else ""))
+        if dec.get("reason"):
+            lines.append(f": {dec['reason']}")
+        lines.append("\n")
+        for c in dec.get("changes") or []:
+            why = "" if c["why"] and c["why"] in (dec.get("reason") or "") else f"  ({c['why']})"
+            lines.append(f"  {c['target']} {c['key']}: {c['old']!r} -> {c['new']!r}{why}\n")
+    title = Text(f"attempt {a['number']}" + (" (interrupted)" if a.get("interrupted") else ""))
+    return Panel(lines, title=title, title_align="left")
+
+
+def print_timeline(data: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console(highlight=False)
+    data = clean(data)
+    head = Text()
+    head.append(f"job {data['id']}", style="bold")
+    head.append(f" {data['name']}  state: ")
+    head.append(str(data["state"]), style="bold")
+    head.append(f"  attempts: {data['attempts']}  workdir: {data['workdir']}")
+    console.print(head)
+    if data.get("reason"):
+        console.print(Text(f"why: {data['reason']}"))
+    for a in data["attempt_list"]:
+        console.print(attempt_panel(a))
+    table = Table(title="events", box=None, show_header=True)
+    table.add_column("time")
+    table.add_column("att")
+    table.add_column("event")
+    table.add_column("message", overflow="fold")
+    for e in data["events"]:
+        table.add_row(_ts(e["ts"]), str(e["attempt"] or ""), Text(str(e["kind"])), Text(str(e["message"])))
+    console.print(table)
+
+
+def watch(cfg, job_id: int, *, interval: float = 1.0) -> int:
+    """Redraw the job's state, current attempt and log tail until it ends."""
+    from supervisor.cli.timeline import job_timeline
+    from supervisor.record.store import Store
+
+    console = Console(highlight=False)
+    with Live(console=console, refresh_per_second=4, transient=False) as live:
+        while True:
+            store = Store(cfg.state.db)
+            try:
+                data = job_timeline(store, job_id)
+            finally:
+                store.close()
+            tail = ""
+            if data["attempt_list"]:
+                n = data["attempt_list"][-1]["number"]
+                log = cfg.state.job(job_id).attempt(n).log
+                tail = _tail(log, 6)
+            data, tail = clean(data), clean(tail)
+            head = Text(f"job {job_id} {data['name']}: {data['state']}  attempt {data['attempts']}  "
+                        f"{data.get('progress') or ''}  remedy: {data.get('remedy') or 'none'}\n", style="bold")
+            if data.get("reason"):
+                head.append(f"{data['reason']}\n", style="")
+            live.update(Group(head, Panel(Text(tail), title="log tail", title_align="left")))
+            if data["state"] in ("succeeded", "failed", "cancelled"):
+                return 0 if data["state"] == "succeeded" else 1
+            time.sleep(interval)
+
+
+def _tail(path, n: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 8192))
+            data = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [ln.rsplit("\r", 1)[-1] for ln in data.splitlines() if ln.strip()]
+    return "\n".join(x[:160] for x in lines[-n:])

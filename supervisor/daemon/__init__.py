@@ -1,0 +1,1 @@
+"""The loop and its record: store, attempts, recovery, configuration."""

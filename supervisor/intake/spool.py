@@ -1,0 +1,466 @@
+"""The spool folder: how jobs get in.
+
+`incoming/` receives job files (by `submit`, or a plain `cp`/`mv`). Everything in
+it is hostile until proven otherwise: any name (non-UTF-8, 255 bytes), any type
+(symlink, FIFO, folder), any content (alias bombs, 3000-deep nesting, huge numbers).
+
+A daemon first claims a settled file by renaming it into `claimed/<state tag>/`:
+only one rename wins, so two daemons sharing a spool never both take a file (so
+`incoming/` must not be a mount point of its own: a rename cannot cross file systems). It
+then accepts it by recording the job and copying it to `jobs/<id>/job.yaml` in one
+SQLite transaction, and removes it. Each file carries a key (claimed name, inode,
+mtime, size, content hash): if the daemon dies after the commit but before the
+unlink, the next intake finds the key recorded and only removes the leftover, so a
+crash can neither lose nor duplicate a job. Any error in one file rejects that
+file: it goes to `rejected/` under a safe, bounded name with `<name>.error.txt`
+saying what is wrong; intake never raises for a file. Each call works within a
+budget of files and seconds and goes on at the next call.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import heapq
+import os
+import re
+import secrets
+import shutil
+import sqlite3
+import stat
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from supervisor.core.models import Problem
+from supervisor.core.paths import SpoolPaths, StatePaths
+from supervisor.intake.jobspec import JobFileError, JobSpec, load_yaml_with_lines, parse_job_text
+from supervisor.record.store import Store
+from supervisor.run.fsutil import atomic_write_text, fsync_dir
+
+TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".swp", "~")
+SPOOL_FILE_MODE = 0o640  # the daemon's user reads submitted files through the spool's group
+MAX_FILES_PER_CALL = 100
+MAX_SECONDS_PER_CALL = 1.0
+KEEP_REJECTED = 1000
+REJECTED_MAX_AGE_S = 30 * 86400.0
+_MAX_SAFE_NAME = 120  # bytes; leaves room for a collision suffix and ".error.txt"
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass
+class IntakeResult:
+    accepted: list[int] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)  # too young to read yet
+    deferred: int = 0  # settled files left for the next call (budget spent)
+    pruned: int = 0  # old rejected files removed
+
+
+# Files with an mtime in the future, as seen by the previous call: (incoming, name) -> (ino, size, mtime_ns).
+_future_seen: dict[tuple[str, str], tuple[int, int, int]] = {}
+_last_prune: dict[str, float] = {}
+
+
+def _is_temp_name(name: str) -> bool:
+    return name.startswith(".") or name.endswith(TEMP_SUFFIXES) or name.endswith(".error.txt")
+
+
+def display_name(name: str) -> str:
+    """A printable, storable form of any file name: undecodable bytes and control
+    characters become escapes (SQLite refuses the surrogates os.scandir gives them)."""
+    text = os.fsencode(name).decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+                   for c in text)
+
+
+def safe_name(name: str) -> str:
+    """A short name any file system takes, recognisably derived from `name`."""
+    shown = display_name(name)
+    safe = _SAFE.sub("_", shown).lstrip(".") or "file"
+    if safe == shown and len(safe.encode()) <= _MAX_SAFE_NAME:
+        return safe
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:8]
+    return f"{safe[:_MAX_SAFE_NAME - 9]}.{digest}"
+
+
+def spool_key(name: str, st: os.stat_result, data: bytes) -> str:
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    return f"{display_name(name)}:{st.st_ino}:{st.st_mtime_ns}:{st.st_size}:{digest}"
+
+
+def _claimed_name(name: str, ino: int) -> str:
+    if len(os.fsencode(name)) <= 200:
+        return f"{ino}.{name}"
+    return f"{ino}.~{hashlib.sha256(os.fsencode(name)).hexdigest()[:16]}"
+
+
+def _original_of_claimed(cname: str) -> str:
+    rest = cname.partition(".")[2]
+    return f"(long name, hash {rest[1:]})" if rest.startswith("~") else rest
+
+
+def intake(spool: SpoolPaths, state: StatePaths, store: Store, *, settle_s: float,
+           max_bytes: int, now: float | None = None, log=None,
+           max_files: int = MAX_FILES_PER_CALL, max_seconds: float = MAX_SECONDS_PER_CALL,
+           policy_dirs: Sequence[Path] | None = None, keep_rejected: int = KEEP_REJECTED,
+           rejected_max_age_s: float = REJECTED_MAX_AGE_S) -> IntakeResult:
+    """Accept or reject settled files in incoming/ (oldest first), at most `max_files`
+    of them or `max_seconds` per call; the rest wait for the next call. Files this
+    daemon claimed before a crash are finished first. With `policy_dirs`, a job naming
+    a policy not found there is refused."""
+    spool.ensure()
+    state.ensure()
+    now = time.time() if now is None else now
+    deadline = time.monotonic() + max_seconds
+    result = IntakeResult()
+    claimed = spool.claimed(state.tag)
+    claimed.mkdir(parents=True, exist_ok=True)
+    budget = max(1, max_files)
+
+    # 1. Our own claims left by a crash (or by a state-disk failure in an earlier call).
+    leftovers = _list(claimed, limit=budget)
+    for cname in leftovers:
+        if budget <= 0 or time.monotonic() > deadline:
+            result.deferred += 1
+            continue
+        budget -= 1
+        if not _process(spool, state, store, claimed / cname, cname, _original_of_claimed(cname),
+                        max_bytes, policy_dirs, result, log):
+            return result  # the state folder cannot take a job now; try again next call
+
+    # 2. Settled files in incoming/, oldest first.
+    for name, st in _candidates(spool.incoming, limit=budget * 4 + 16):
+        if not _settled(spool, name, st, now, settle_s, log):
+            result.waiting.append(name)
+            continue
+        if budget <= 0 or time.monotonic() > deadline:
+            result.deferred += 1
+            continue
+        cname = _claimed_name(name, st.st_ino)
+        try:
+            os.rename(spool.incoming / name, claimed / cname)
+        except FileNotFoundError:
+            continue  # another daemon claimed it first
+        except OSError as exc:
+            if log:
+                log.warning("spool_claim_failed", file=display_name(name), error=str(exc))
+            continue
+        budget -= 1
+        if not _process(spool, state, store, claimed / cname, cname, name, max_bytes, policy_dirs,
+                        result, log):
+            return result
+    _forget_future(spool, result.waiting)
+    if result.rejected or now - _last_prune.get(str(spool.root), 0.0) > 300:
+        _last_prune[str(spool.root)] = now
+        try:
+            result.pruned = prune_rejected(spool, keep=keep_rejected, max_age_s=rejected_max_age_s,
+                                           now=now, log=log)
+        except OSError as exc:
+            if log:
+                log.warning("spool_prune_failed", error=str(exc))
+    return result
+
+
+def _list(folder: Path, *, limit: int) -> list[str]:
+    try:
+        with os.scandir(folder) as it:
+            return heapq.nsmallest(limit, (e.name for e in it))
+    except FileNotFoundError:
+        return []
+
+
+def _candidates(incoming: Path, *, limit: int) -> list[tuple[str, os.stat_result]]:
+    """The `limit` oldest non-temporary entries, read in one pass with bounded memory."""
+    def entries():
+        with os.scandir(incoming) as it:
+            for e in it:
+                if _is_temp_name(e.name):
+                    continue
+                try:
+                    yield e.name, e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+    try:
+        return heapq.nsmallest(limit, entries(), key=lambda x: (x[1].st_mtime_ns, x[0]))
+    except FileNotFoundError:
+        return []
+
+
+def _settled(spool: SpoolPaths, name: str, st: os.stat_result, now: float, settle_s: float, log) -> bool:
+    """Old enough, or - for an mtime in the future, which no age can pass - unchanged
+    in size and mtime since the previous call."""
+    if st.st_mtime <= now + 1.0:
+        return now - st.st_mtime >= settle_s
+    memo_key = (str(spool.incoming), name)
+    seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+    if _future_seen.get(memo_key) == seen:
+        _future_seen.pop(memo_key, None)
+        if log:
+            log.warning("spool_future_mtime", file=display_name(name), ahead_s=round(st.st_mtime - now, 1),
+                        note="mtime is in the future; taken as settled after two unchanged passes")
+        return True
+    if memo_key not in _future_seen and log:
+        log.info("spool_future_mtime_waiting", file=display_name(name), ahead_s=round(st.st_mtime - now, 1))
+    _future_seen[memo_key] = seen
+    return False
+
+
+def _forget_future(spool: SpoolPaths, waiting: list[str]) -> None:
+    keep = {(str(spool.incoming), n) for n in waiting}
+    for k in [k for k in _future_seen if k[0] == str(spool.incoming) and k not in keep]:
+        del _future_seen[k]
+
+
+def _read_bounded(path: Path, max_bytes: int) -> tuple[os.stat_result, bytes]:
+    """Read a regular file without following a link or blocking on a FIFO swapped in."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise JobFileError([Problem("(file)", "is not a regular file")])
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, min(1 << 16, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > max_bytes:
+            raise JobFileError([Problem("(file)", f"is over {max_bytes} bytes; job files are limited "
+                                        f"to {max_bytes} bytes")])
+        return st, b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _process(spool: SpoolPaths, state: StatePaths, store: Store, path: Path, cname: str, name: str,
+             max_bytes: int, policy_dirs: Sequence[Path] | None, result: IntakeResult, log) -> bool:
+    """Accept or reject one claimed file. False when the state folder refused the job
+    (disk full, database locked): the file stays claimed for the next call."""
+    shown = display_name(name)
+    try:
+        spec, text, key = _check(path, cname, shown, max_bytes, policy_dirs, store, spool.root)
+    except JobFileError as err:
+        _reject(spool, path, name, err.problems, result, log)
+        return True
+    except Exception as exc:  # anything at all: that file is refused, intake goes on
+        _reject(spool, path, name, [Problem("(file)", f"could not be read: {type(exc).__name__}: "
+                                    f"{str(exc)[:200]}")], result, log)
+        return True
+    if spec is None:  # accepted before a crash; only the leftover remains
+        _unlink(path)
+        return True
+    try:
+        job_id = accept(state, store, spec, text=text, source=shown, key=key)
+    except (OSError, sqlite3.OperationalError) as exc:
+        if log:
+            log.error("spool_accept_failed", file=shown, state_dir=str(state.root), error=str(exc),
+                      note="the file stays claimed and is taken at a later call")
+        return False
+    except Exception as exc:
+        _reject(spool, path, name, [Problem("(file)", f"could not be recorded: {type(exc).__name__}: "
+                                    f"{str(exc)[:200]}")], result, log)
+        return True
+    _unlink(path)
+    result.accepted.append(job_id)
+    if log:
+        log.info("job_accepted", job=job_id, name=spec.name, file=shown, kind=spec.kind)
+    return True
+
+
+def _check(path: Path, cname: str, shown: str, max_bytes: int, policy_dirs: Sequence[Path] | None,
+           store: Store, spool_root: Path) -> tuple[JobSpec | None, str, str]:
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        raise JobFileError([Problem("(file)", "is a symbolic link; symlinks are refused "
+                                    "(copy the file into the spool instead)")])
+    if not stat.S_ISREG(st.st_mode):
+        raise JobFileError([Problem("(file)", f"is not a regular file ({_kind(st.st_mode)})")])
+    if st.st_size > max_bytes:
+        raise JobFileError([Problem("(file)", f"is {st.st_size} bytes; job files are limited to "
+                                    f"{max_bytes} bytes")])
+    st, data = _read_bounded(path, max_bytes)
+    key = spool_key(cname, st, data)
+    if store.job_by_spool_key(key) is not None:
+        return None, "", key
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise JobFileError([Problem("(file)", f"is not UTF-8 text (byte {exc.start})")]) from None
+    if "\0" in text:
+        raise JobFileError([Problem("(file)", "contains a NUL byte; job files are YAML text")])
+    spec = parse_job_text(text, source=shown, submit_dir=spool_root)
+    if policy_dirs is not None and spec.sup.policy is not None:
+        from supervisor.judge.policy.schema import unknown_policy_problem
+
+        problem = unknown_policy_problem(spec.sup.policy, search_dirs=policy_dirs)
+        if problem:
+            raise JobFileError([problem], shown)
+    return spec, text, key
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "an unknown kind"
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    fsync_dir(path.parent)
+
+
+def accept(state: StatePaths, store: Store, spec: JobSpec, *, text: str, source: str,
+           key: str | None) -> int:
+    """Record the job and write its job.yaml (0600: `env` may hold tokens) in one transaction."""
+    with store.tx():
+        job_id = store.add_job(name=spec.name, kind=spec.kind, priority=spec.sup.priority,
+                               policy=spec.sup.policy, workdir=str(spec.workdir), source=source,
+                               spool_key=key)
+        jp = state.job(job_id)
+        if jp.root.exists():  # left by a crash before a commit that never happened
+            jp.root.rename(jp.root.with_name(f".orphan-{job_id}-{time.time_ns()}"))
+        jp.root.mkdir(parents=True)
+        atomic_write_text(jp.job_file, text, mode=0o600)
+    return job_id
+
+
+def _reject(spool: SpoolPaths, path: Path, name: str, problems: list[Problem], result: IntakeResult,
+            log=None) -> None:
+    """Move the file to rejected/ under a safe name, then say why beside it (original
+    name escaped inside). The move comes first: it needs no space, so even on a full
+    spool disk a bad file stops being retried."""
+    shown = display_name(name)
+    report = JobFileError(problems, shown).report() + "\n"
+    if shown != safe_name(name):
+        report += f"(the file was named {shown!r}; kept here as its safe name)\n"
+    try:
+        spool.rejected.mkdir(parents=True, exist_ok=True)
+        dest = spool.rejected / safe_name(name)
+        if os.path.lexists(dest) or os.path.lexists(f"{dest}.error.txt"):
+            dest = dest.with_name(f"{dest.name}.{time.strftime('%Y%m%dT%H%M%S')}.{secrets.token_hex(3)}")
+        os.rename(path, dest)
+    except OSError as exc:
+        if log:
+            log.error("spool_reject_failed", file=shown, folder=str(spool.rejected), error=str(exc))
+        return
+    try:
+        # Not fsynced: a report lost to a power cut costs nothing (the file is in rejected/).
+        atomic_write_text(dest.with_name(dest.name + ".error.txt"), report, mode=SPOOL_FILE_MODE, durable=False)
+    except OSError as exc:
+        if log:
+            log.error("spool_reason_not_written", file=shown, folder=str(spool.rejected), error=str(exc))
+    result.rejected.append((shown, report.strip()))
+    if log:
+        log.warning("job_rejected", file=shown, problems=[str(p)[:300] for p in problems[:5]])
+
+
+def prune_rejected(spool: SpoolPaths, *, keep: int = KEEP_REJECTED, max_age_s: float = REJECTED_MAX_AGE_S,
+                   now: float | None = None, log=None) -> int:
+    """Keep at most `keep` rejected files, none older than `max_age_s` (by when they were
+    rejected: the .error.txt's mtime); remove the oldest with their reasons. Returns how many."""
+    now = time.time() if now is None else now
+    entries: dict[str, float] = {}
+    with os.scandir(spool.rejected) as it:
+        for e in it:
+            base = e.name.removesuffix(".error.txt")
+            try:
+                t = e.stat(follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            if e.name.endswith(".error.txt") or base not in entries:
+                entries[base] = t
+    ordered = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)
+    doomed = [b for i, (b, t) in enumerate(ordered) if i >= keep or now - t > max_age_s]
+    for base in doomed:
+        for p in (spool.rejected / base, spool.rejected / f"{base}.error.txt"):
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT,) and log:
+                    log.warning("spool_prune_failed", file=display_name(p.name), error=str(exc))
+    if doomed and log:
+        log.info("spool_rejected_pruned", removed=len(doomed), kept=len(ordered) - len(doomed),
+                 keep=keep, max_age_days=round(max_age_s / 86400, 1))
+    return len(doomed)
+
+
+# --- submit ------------------------------------------------------------------------
+
+def with_workdir(text: str, workdir: Path) -> str:
+    """Record where `submit` ran, keeping the user's text (and comments) where possible."""
+    return with_supervisor_key(text, "workdir", str(workdir), keep_existing=True)
+
+
+def with_after(text: str, job_ids: Sequence[int]) -> str:
+    """`submit --after JOB`: the job starts only once those jobs have succeeded."""
+    data, _ = load_yaml_with_lines(text)
+    sup = data.get("supervisor") if isinstance(data, dict) else None
+    have = list(sup.get("after") or []) if isinstance(sup, dict) and isinstance(sup.get("after"), list) else []
+    merged = have + [j for j in job_ids if j not in have]
+    return with_supervisor_key(text, "after", merged, keep_existing=False)
+
+
+def with_supervisor_key(text: str, key: str, value, *, keep_existing: bool) -> str:
+    """Set `supervisor.<key>`, inserting one line where the block's layout allows (comments kept)."""
+    data, lines = load_yaml_with_lines(text)
+    sup = data.get("supervisor")
+    if sup is not None and isinstance(sup, dict) and key in sup and keep_existing:
+        return text
+    quoted = yaml.safe_dump(value, default_flow_style=True, default_style='"' if isinstance(value, str) else None
+                            ).strip().splitlines()[0].removesuffix("...").strip()
+    if sup is None:
+        sep = "" if text.endswith("\n") or not text else "\n"
+        return f"{text}{sep}supervisor:\n  {key}: {quoted}\n"
+    src = text.splitlines(keepends=True)
+    line_no = lines.get("supervisor")
+    child_lines = [v for k, v in lines.items() if k.startswith("supervisor.") and k.count(".") == 1]
+    if (isinstance(sup, dict) and key not in sup and line_no and src[line_no - 1].rstrip().endswith("supervisor:")
+            and child_lines):
+        first = src[min(child_lines) - 1]
+        indent = first[: len(first) - len(first.lstrip())]
+        src.insert(line_no, f"{indent}{key}: {quoted}\n")
+        return "".join(src)
+    data = dict(data)
+    data["supervisor"] = {**(sup or {}), key: value}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def submit(spool: SpoolPaths, text: str, *, name: str, cwd: Path,
+           policy_dirs: Sequence[Path] | None = None) -> Path:
+    """Validate (the same checks as intake, plus the policy name against `policy_dirs`),
+    then place the job in incoming/ atomically, mode 0640 (the daemon's user reads it
+    through the spool's group). Raises JobFileError; OSError when the spool cannot be written."""
+    shown = display_name(Path(name).name)
+    spec = parse_job_text(text, source=shown, submit_dir=cwd)
+    if policy_dirs is not None and spec.sup.policy is not None:
+        from supervisor.judge.policy.schema import unknown_policy_problem
+
+        problem = unknown_policy_problem(spec.sup.policy, search_dirs=policy_dirs)
+        if problem:
+            raise JobFileError([problem], shown)
+    final_text = with_workdir(text, cwd)
+    parse_job_text(final_text, source=shown, submit_dir=cwd)
+    spool.ensure()
+    stem = _SAFE.sub("_", shown).lstrip(".")
+    for suffix in (".yaml", ".yml"):
+        stem = stem.removesuffix(suffix)
+    stem = stem[:80] or "job"
+    dest = spool.incoming / f"{stem}.{time.strftime('%Y%m%dT%H%M%S')}.{secrets.token_hex(3)}.yaml"
+    # The temp name is dot-prefixed, so intake never reads it half-written.
+    atomic_write_text(dest, final_text, mode=SPOOL_FILE_MODE)
+    return dest

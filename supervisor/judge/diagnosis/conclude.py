@@ -1,0 +1,589 @@
+"""From findings + exit status + host memory facts to one Diagnosis (pure).
+
+Root-cause order (documented here, tested in tests/diagnosis):
+  1. The supervisor's own stops: `cancel`/`shutdown` are not failures (unknown);
+     returncode 0 is success (an OOM the program retried is mentioned).
+  2. The command never started (launch_error, or exit 127 + the shim's line): config_error.
+     A scheduler's TIMEOUT/PREEMPTED/CANCELLED (unknown) or NODE_FAIL (environment) decides.
+  3. Among the log's STRUCTURAL findings (an exception ending a traceback; a runtime's fault
+     line when the process then aborted):
+       tier 1 ROOT  gpu_oom, host_oom, device_fault, disk_full, config_error, numeric, environment
+       tier 2 COMM  NCCL/RCCL watchdog timeouts and errors, rendezvous/socket errors
+       tier 3 CRASH other Python exceptions, segfault, abort, device-side assert
+     per rank, the exception that ends its LAST traceback (a chained or later exception
+     ended that process); across ranks the EARLIEST, tier 1 first: an illegal memory access
+     that trips the NCCL watchdog is a device_fault, an OOM on rank 3 that makes rank 0 time
+     out is a gpu_oom, whatever order the ranks' stderr reached the log in. A tier-3
+     exception right after a library's OOM message (same rank, <= 64 lines) is that OOM.
+     Disk full must be confirmed by statvfs when it was measured.
+  4. A SIGKILL (exit -9/137, torchrun `exitcode : -9`, `Signal 9 (SIGKILL)`)
+     is host_oom only when memory evidence corroborates it: the cgroup's
+     oom_kill counter > 0, a kernel OOM line (HostEvidence), min_available_bytes
+     <= max(64 MiB, 2% of the memory limit), the supervisor's own memory-limit stop, or
+     the scheduler's OUT_OF_MEMORY. Otherwise it is crash_other/sigkill_unexplained.
+     A kill the supervisor made itself (stopped_by fatal_signal/hang) is never
+     read as a kill: the log decides.
+  5. `stopped_by == "hang"`: hang, unless the log shows a tier 1-2 cause (a watchdog's own
+     line, a hint, refines it to comm_failure).
+  6. Otherwise exit-signal facts (segfault, abort, SIGTERM), then HINTS (free text outside
+     a traceback: strength "hint"; a terminal category becomes crash_other), then unknown.
+
+GPU OOM derived numbers:
+  shortfall = max(0, tried_to_allocate - usable), where usable is `free`, or,
+    under a memory-fraction cap (`allowed`), min(free, allowed - allocated -
+    reserved_unallocated - private_pools).
+  fragmentation = reserved_unallocated >= tried_to_allocate AND
+    reserved_unallocated >= 5% of capacity (the cap when `allowed` is set), or
+    >= 256 MiB when no capacity is printed: the allocator held enough free
+    cached memory for the request, just not in one piece.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
+from supervisor.judge.diagnosis.findings import Finding, ScanState
+from supervisor.judge.diagnosis.rules import COMM, CRASH, HINT, KERNEL_OOM_RE, ROOT, Hit
+from supervisor.judge.diagnosis.sizes import human
+
+MIB = 1024**2
+NEAR_ZERO_FLOOR = 64 * MIB
+NEAR_ZERO_FRACTION = 0.02
+FRAG_CAPACITY_FRACTION = 0.05
+FRAG_FLOOR = 256 * MIB
+MAX_EVIDENCE = 8
+REPEATED_MIN_SCALE_OVERFLOWS = 3
+NEAR_FULL_BYTES = 1024**3  # a folder with less free space than this is full for a checkpoint write
+# Categories the policy ends a job on or pauses the queue for: never from a hint alone.
+TERMINAL = frozenset({Category.CONFIG_ERROR, Category.DISK_FULL, Category.NUMERIC, Category.DEVICE_FAULT})
+_ABORT_SIGNALS = ("SIGABRT", "SIGSEGV", "SIGBUS")
+# Scheduler states that say why the job ended by themselves (OUT_OF_MEMORY corroborates a kill instead).
+_SCHEDULER_VERDICTS = {
+    "TIMEOUT": (Category.UNKNOWN, "scheduler_timeout", "the job reached its time limit; not a failure of the training"),
+    "PREEMPTED": (Category.UNKNOWN, "preempted", "the job was preempted for another one; not a failure"),
+    "CANCELLED": (Category.UNKNOWN, "cancelled", "someone cancelled the job; not a failure"),
+    "NODE_FAIL": (Category.ENVIRONMENT, "node_fail", "the node failed; a retry on a healthy node is expected to work"),
+    "BOOT_FAIL": (Category.ENVIRONMENT, "node_fail", "the node failed to boot; a retry elsewhere is expected to work"),
+    "DEADLINE": (Category.UNKNOWN, "scheduler_timeout", "the job reached its deadline; not a failure of the training"),
+}
+REFINE_WINDOW = 64  # lines between a library's OOM message and the exception it raised
+
+_SUPERVISOR_STOPS = ("cancel", "shutdown")
+_OWN_KILLS = ("fatal_signal", "hang")
+
+_SUBKIND_WORDS = {
+    "allocator": "PyTorch caching allocator",
+    "driver": "driver/library allocation",
+    "vllm_kv_cache": "vLLM KV cache does not fit",
+    "vllm_startup": "vLLM start-up memory check",
+    "batch_size_search_exhausted": "automatic batch-size search reached zero",
+    "cpu_allocator": "PyTorch CPU allocator",
+    "pinned": "pinned (page-locked) host memory",
+    "python_memory_error": "Python MemoryError",
+    "bad_alloc": "C++ std::bad_alloc",
+    "oom_killer": "killed by the kernel OOM killer",
+}
+
+
+@dataclass
+class _Root:
+    """A chosen cause: the finding it rests on (if any) and extra evidence."""
+
+    hit: Hit
+    line_no: int
+    text: str
+    rank: int | None
+    phase: Phase
+    notes: list[str] = field(default_factory=list)
+    extra: list[Evidence] = field(default_factory=list)
+    line_rule: str | None = None  # the log rule that matched root.line_no, when not hit.rule
+
+
+def _signal_name(exit: ExitRecord | None) -> str | None:
+    if exit is None:
+        return None
+    if exit.signal:
+        name = exit.signal.upper()
+        return name if name.startswith("SIG") else "SIG" + name
+    rc = exit.returncode
+    table = {9: "SIGKILL", 11: "SIGSEGV", 6: "SIGABRT", 15: "SIGTERM", 7: "SIGBUS", 2: "SIGINT"}
+    if rc is not None and rc < 0:
+        return table.get(-rc, f"signal {-rc}")
+    if rc is not None and 128 < rc < 160:
+        return table.get(rc - 128)
+    return None
+
+
+def _memory_corroboration(host: HostEvidence | None) -> tuple[list[str], list[Evidence]]:
+    """Words and evidence lines that show the host ran out of memory."""
+    if host is None:
+        return [], []
+    words: list[str] = []
+    ev: list[Evidence] = []
+    if host.cgroup_oom_kills:
+        words.append(f"cgroup oom_kill counter = {host.cgroup_oom_kills}")
+    if host.limit_enforced_kill:
+        words.append("the supervisor stopped it when its processes' memory went over the job's limit")
+    if host.scheduler_state == "OUT_OF_MEMORY":
+        words.append("the scheduler reports OUT_OF_MEMORY")
+    for line in host.kernel_oom_lines:
+        if KERNEL_OOM_RE.search(line):
+            ev.append(Evidence(line_no=0, text=line.strip()[:2000], rule="host:kernel_oom"))
+    if ev:
+        words.append("kernel log reports an OOM kill")
+    if host.min_available_bytes is not None:
+        limit = host.memory_limit_bytes or 0
+        if host.min_available_bytes <= max(NEAR_ZERO_FLOOR, NEAR_ZERO_FRACTION * limit):
+            words.append(f"available memory fell to {human(host.min_available_bytes)}")
+    return words, ev
+
+
+def _pick(findings: list[Finding], tier: int) -> Finding | None:
+    best = [f for f in findings if f.tier == tier]
+    return min(best, key=lambda f: (f.line_no, f.seq)) if best else None
+
+
+def _root_of(f: Finding) -> _Root:
+    return _Root(hit=f.hit, line_no=f.line_no, text=f.text, rank=f.rank, phase=f.phase, notes=list(f.notes))
+
+
+def _oom_numbers(nums: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    n = dict(nums)
+    tried = n.get("tried_to_allocate")
+    if tried is None:
+        return n, False
+    free = n.get("free")
+    usable = free
+    allowed = n.get("allowed")
+    if allowed is not None:
+        used = n.get("allocated_by_pytorch", 0) + n.get("reserved_unallocated", 0) + n.get("private_pools", 0)
+        headroom = max(0, allowed - used)
+        usable = headroom if free is None else min(free, headroom)
+    if usable is not None:
+        n["shortfall"] = max(0, tried - usable)
+    ru = n.get("reserved_unallocated")
+    frag = False
+    if ru is not None:
+        cap = n.get("total_capacity")
+        if allowed is not None:
+            cap = min(cap, allowed) if cap else allowed
+        floor = FRAG_CAPACITY_FRACTION * cap if cap else FRAG_FLOOR
+        frag = ru >= tried and ru >= floor
+    return n, frag
+
+
+def _vendor(root: _Root | None, state: ScanState) -> str:
+    if root is not None and root.hit.category is Category.HOST_OOM:
+        return "cpu"
+    if state.hip or (root is not None and root.hit.vendor == "hip"):
+        return "hip"
+    if root is not None and root.hit.vendor in ("cuda", "cpu"):
+        return root.hit.vendor
+    return "cuda" if state.cuda else "unknown"
+
+
+def _where(root: _Root, state: ScanState) -> str:
+    bits = []
+    if root.rank is not None:
+        bits.append(f"on rank {root.rank}")
+    if root.phase is not Phase.UNKNOWN:
+        bits.append(f"during {root.phase.value}")
+    if state.last_step is not None:
+        bits.append(f"(last step seen {state.last_step})")
+    return (" " + " ".join(bits)) if bits else ""
+
+
+def _summary(root: _Root, nums: dict[str, Any], frag: bool, state: ScanState, vendor: str) -> str:
+    cat = root.hit.category
+    sub = root.hit.subkind or ""
+    where = _where(root, state)
+    words = _SUBKIND_WORDS.get(sub, sub.replace("_", " "))
+    line = f"line {root.line_no}" if root.line_no else "host evidence"
+    if cat is Category.GPU_OOM:
+        s = f"GPU out of memory{where} [{vendor}, {words}]"
+        if "tried_to_allocate" in nums:
+            s += f": tried to allocate {human(nums['tried_to_allocate'])}"
+            if "free" in nums:
+                s += f" with {human(nums['free'])} free"
+            if "total_capacity" in nums:
+                s += f" of {human(nums['total_capacity'])}"
+            if "allowed" in nums:
+                s += f", {human(nums['allowed'])} allowed by the memory-fraction cap"
+            if "shortfall" in nums:
+                s += f"; short by {human(nums['shortfall'])}"
+        if "reserved_unallocated" in nums:
+            s += f"; {human(nums['reserved_unallocated'])} reserved by PyTorch but unallocated"
+            if frag:
+                s += " (fragmentation: the cache held enough, not in one block)"
+        s += f" ({line})."
+    elif cat is Category.HOST_OOM:
+        s = f"Host (CPU) memory exhausted{where} [{words}]"
+        if "tried_to_allocate" in nums:
+            s += f": tried to allocate {human(nums['tried_to_allocate'])}"
+        s += f" ({line})."
+    elif cat is Category.DEVICE_FAULT:
+        s = f"GPU device fault{where} [{vendor}, {words}] ({line}): {root.text[:200]}"
+    elif cat is Category.COMM_FAILURE:
+        s = f"Collective communication failure{where} [{words}] ({line}): {root.text[:200]}"
+    elif cat is Category.CONFIG_ERROR:
+        s = f"Configuration error [{words}] ({line}): {root.text[:300]}"
+    elif cat is Category.DISK_FULL:
+        s = f"Disk full or write failed{where} [{words}] ({line}): {root.text[:200]}"
+    elif cat is Category.ENVIRONMENT:
+        s = (f"Transient environment failure{where} [{words}] ({line}): {root.text[:300]}"
+             " (the network or the model hub; a retry later is expected to work)")
+    elif cat is Category.NUMERIC:
+        s = f"Numerical failure{where} [{words}] ({line}): {root.text[:200]}"
+    else:
+        s = f"Crash{where} [{words}] ({line}): {root.text[:300]}"
+    for note in root.notes:
+        s += f" Note: {note}."
+    return s
+
+
+def _recovered_note(state: ScanState) -> str:
+    rec = [f for f in state.findings if f.recovered and f.category in (Category.GPU_OOM, Category.HOST_OOM)]
+    if not rec:
+        return ""
+    f = rec[0]
+    return (f" {len(rec)} out-of-memory error(s) were caught and retried inside the program"
+            f" (first at line {f.line_no}; {'; '.join(f.notes) or 'training continued'}).")
+
+
+def _diagnosis(root: _Root, state: ScanState, extra_summary: str = "", strength: str = "structural") -> Diagnosis:
+    vendor = _vendor(root, state)
+    nums, frag = dict(root.hit.numbers), False
+    if root.hit.category is Category.GPU_OOM:
+        nums, frag = _oom_numbers(nums)
+    evidence: list[Evidence] = []
+    if root.line_no:
+        evidence.append(Evidence(line_no=root.line_no, text=root.text, rule=root.line_rule or root.hit.rule))
+    evidence.extend(root.extra)
+    for f in state.findings:  # supporting lines: other decisive findings, kill markers, launcher summary
+        if len(evidence) >= MAX_EVIDENCE:
+            break
+        if f.line_no == root.line_no and f.rule in (root.hit.rule, root.line_rule):
+            continue
+        if f.recovered or f.tier == HINT:
+            continue
+        if any(e.rule == f.rule and e.line_no == f.line_no for e in evidence):
+            continue
+        evidence.append(f.evidence())
+    summary = _summary(root, nums, frag, state, vendor) + extra_summary + _recovered_note(state)
+    return Diagnosis(
+        category=root.hit.category,
+        summary=summary.strip(),
+        subkind=root.hit.subkind,
+        vendor=vendor,
+        phase=root.phase,
+        rank=root.rank,
+        numbers=nums,
+        evidence=tuple(evidence[:MAX_EVIDENCE]),
+        fragmentation=frag,
+        strength=strength,
+    )
+
+
+def _plain(category: Category, subkind: str | None, summary: str, state: ScanState,
+           evidence: tuple[Evidence, ...] = (), phase: Phase | None = None) -> Diagnosis:
+    return Diagnosis(
+        category=category,
+        summary=summary.strip(),
+        subkind=subkind,
+        vendor="hip" if state.hip else ("cuda" if state.cuda else "unknown"),
+        phase=state.context_phase if phase is None else phase,
+        evidence=evidence[:MAX_EVIDENCE],
+    )
+
+
+def _tail_evidence(state: ScanState, n: int = 3) -> tuple[Evidence, ...]:
+    lines = [(no, t) for no, t in state.tail if t.strip()]
+    return tuple(Evidence(line_no=no, text=t.strip()[:500], rule="tail") for no, t in lines[-n:])
+
+
+_NORM_RES = (
+    (re.compile(r"\[(?:rank|default)\d+\]:|\[(?:PG [^\]]*?)?Rank \d+\]"), ""),
+    (re.compile(r"0x[0-9a-fA-F]+"), "0x"),
+    (re.compile(r"(?:[\w.~-]*/)+[\w.-]*"), "<path>"),
+    (re.compile(r"\d+(?:[.,:]\d+)*"), "N"),
+    (re.compile(r"\s+"), " "),
+)
+
+
+def normalise_line(text: str) -> str:
+    """A log line without what changes between attempts: ranks, addresses, paths, numbers."""
+    for rx, sub in _NORM_RES:
+        text = rx.sub(sub, text)
+    return text.strip()[:300]
+
+
+def fingerprint(d: Diagnosis) -> str:
+    """category/subkind + a hash of the normalised deciding line: the same failure again gives the same."""
+    line = next((e.text for e in d.evidence if e.rule != "tail"), "")
+    digest = hashlib.sha1(normalise_line(line).encode()).hexdigest()[:12] if line else "-"
+    return f"{d.category.value}/{d.subkind or '-'}/{digest}"
+
+
+def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
+    """The verdict with its fingerprint; a host OOM also says the job's memory limit and peak seen."""
+    d = _with_memory(_conclude(state, exit, host), host)
+    if state.internal_errors:
+        d = dataclasses.replace(d, numbers={**d.numbers, "scanner_errors": state.internal_errors},
+                                summary=f"{d.summary} ({state.internal_errors} log line(s) could not be read.)")
+    return dataclasses.replace(d, fingerprint=fingerprint(d))
+
+
+def _with_memory(d: Diagnosis, host: HostEvidence | None) -> Diagnosis:
+    if d.category is not Category.HOST_OOM or host is None:
+        return d
+    nums = dict(d.numbers)
+    said = []
+    if host.memory_limit_bytes:
+        nums["memory_limit"] = host.memory_limit_bytes
+        said.append(f"the job's limit is {human(host.memory_limit_bytes)}"
+                    + (f" ({host.limit_mechanism})" if host.limit_mechanism else ""))
+    if host.peak_rss_bytes:
+        nums["peak_host_memory"] = host.peak_rss_bytes
+        said.append(f"peak seen {human(host.peak_rss_bytes)}")
+    if not said:
+        return d
+    return dataclasses.replace(d, numbers=nums, summary=f"{d.summary} Memory: {', '.join(said)}.")
+
+
+def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
+    stopped_by = exit.stopped_by if exit is not None else None
+    signal = _signal_name(exit)
+
+    if stopped_by in _SUPERVISOR_STOPS:
+        return _plain(Category.UNKNOWN, "stopped_by_supervisor",
+                      f"Stopped by the supervisor ({stopped_by}); not a failure."
+                      + (f" Last step seen {state.last_step}." if state.last_step is not None else ""), state)
+
+    if exit is not None and exit.returncode == 0 and stopped_by is None:
+        nan = [f for f in state.findings if f.rule == "nan_loss"]
+        extra = f" NaN/Inf losses were logged (first at line {nan[0].line_no})." if nan else ""
+        return _plain(Category.SUCCESS, None,
+                      "Exited with status 0." + (f" Last step {state.last_step}." if state.last_step is not None else "")
+                      + _recovered_note(state) + extra, state)
+
+    launch = _launch_failure(state, exit)
+    if launch is not None:
+        return launch
+    sched = host.scheduler_state if host is not None else None
+    if sched in _SCHEDULER_VERDICTS:
+        category, subkind, words = _SCHEDULER_VERDICTS[sched]
+        return dataclasses.replace(_plain(category, subkind, f"The scheduler reports {sched}: {words}."
+                                          + (f" Last step seen {state.last_step}." if state.last_step is not None else ""),
+                                          state, _tail_evidence(state, 2)),
+                                   numbers={"scheduler_state": sched})
+
+    active = [f for f in state.findings if not f.recovered]
+    decisive = _decisive(active, signal)
+    own_kill = stopped_by in _OWN_KILLS
+    exit_killed = not own_kill and signal == "SIGKILL"
+    kill_marker = next((f for f in active if f.rule == "sigkill"), None)
+    killed = (exit_killed or kill_marker is not None or bool(host and host.limit_enforced_kill)
+              or bool(host and host.scheduler_state == "OUT_OF_MEMORY"))
+    words, kernel_ev = _memory_corroboration(host)
+    cgroup_kills = bool(host and host.cgroup_oom_kills)
+
+    candidates: list[_Root] = []
+    first = _refine(_pick_structural(decisive), active)
+    if first is not None:
+        candidates.append(_root_of(first))
+    host_root: _Root | None = None
+    if words and (killed or cgroup_kills):
+        at = kill_marker.line_no if kill_marker else 0
+        if host is not None and host.limit_enforced_kill and not exit_killed and kill_marker is None:
+            what = "the supervisor stopped the job at its memory limit"
+        elif killed:
+            what = "SIGKILL " + ("(exit status)" if exit_killed else f"(line {kill_marker.line_no})")  # type: ignore[union-attr]
+        else:
+            what = "a process in the job's cgroup was OOM-killed"
+        host_root = _Root(
+            hit=Hit("oom_killer", Category.HOST_OOM, ROOT, "oom_killer", vendor="cpu"),
+            line_no=at, text=kill_marker.text if kill_marker else "", rank=kill_marker.rank if kill_marker else None,
+            phase=kill_marker.phase if kill_marker else state.context_phase,
+            notes=[f"{what}, corroborated by: {', '.join(words)}"], extra=kernel_ev,
+            line_rule="sigkill" if kill_marker else None,
+        )
+    if state.min_loss_scale_overflows >= REPEATED_MIN_SCALE_OVERFLOWS:
+        candidates.append(_Root(hit=Hit("loss_scale_stuck", Category.NUMERIC, ROOT, "loss_scale_at_minimum"),
+                                line_no=0, text="", rank=None, phase=state.context_phase,
+                                notes=[f"{state.min_loss_scale_overflows} overflows at loss scale 1"]))
+
+    root = _choose(candidates, host_root)
+    if root is not None and root.hit.category is Category.DISK_FULL:
+        root, demoted = _confirm_disk(root, host, state)
+        if demoted is not None:
+            return demoted
+
+    if stopped_by == "hang":
+        if root is not None and root.hit.tier in (ROOT, COMM):
+            return _diagnosis(root, state, " The supervisor stopped it after no progress.")
+        comm = _pick([f for f in active if not f.structural], COMM)
+        if comm is not None:  # a watchdog's own log line says why nothing moved (a retry either way)
+            return _diagnosis(_root_of(comm), state, " The supervisor stopped it after no progress (from a"
+                              " runtime's log line, not an exception: weaker evidence).", strength="hint")
+        return _plain(Category.HANG, "no_progress",
+                      "No output or progress for the hang timeout; the supervisor stopped the attempt."
+                      + (f" Last step seen {state.last_step}." if state.last_step is not None else " No training step was seen."),
+                      state, _tail_evidence(state))
+
+    if root is not None:
+        return _diagnosis(root, state)
+
+    if stopped_by == "fatal_signal":
+        return _plain(Category.UNKNOWN, "no_evidence",
+                      "The supervisor stopped the attempt on a fatal line, but no decisive failure is in the log now.", state)
+
+    if killed:
+        where = f"exit status ({signal})" if exit_killed else (
+            f"line {kill_marker.line_no}" if kill_marker else "the supervisor's memory-limit enforcement")
+        ev = (kill_marker.evidence(),) if kill_marker else ()
+        gathered = "no host memory evidence was gathered" if host is None else \
+            "the cgroup OOM counter, kernel log and memory samples show no memory exhaustion"
+        return Diagnosis(
+            category=Category.CRASH_OTHER, subkind="sigkill_unexplained",
+            summary=(f"Killed by SIGKILL ({where}); {gathered}, so this is not called a host OOM: it may be the"
+                     f" kernel OOM killer or an outside `kill -9`."),
+            vendor="hip" if state.hip else ("cuda" if state.cuda else "unknown"),
+            phase=kill_marker.phase if kill_marker else state.context_phase,
+            rank=kill_marker.rank if kill_marker else None,
+            evidence=ev + _tail_evidence(state, 2),
+        )
+
+    by_signal = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", "SIGTERM": "sigterm", "SIGINT": "interrupted"}
+    hint = _pick_hint(active)
+    if signal in by_signal and (hint is None or hint.tier not in (ROOT, COMM)):
+        return _plain(Category.CRASH_OTHER, by_signal[signal],
+                      f"Ended by {signal} with no recognised error in the log.", state, _tail_evidence(state))
+
+    if hint is not None:
+        return _hint_diagnosis(hint, state)
+
+    rc = exit.returncode if exit is not None else None
+    if rc is None:
+        return _plain(Category.UNKNOWN, "no_evidence", "No failure evidence in the log.", state, _tail_evidence(state))
+    return _plain(Category.UNKNOWN, "no_evidence",
+                  f"Exited with status {rc}; the log shows no recognised error.", state, _tail_evidence(state))
+
+
+def _decisive(active: list[Finding], signal: str | None) -> list[Finding]:
+    """Structural findings: exceptions ending a traceback, plus a runtime's fault line that the
+    exit status corroborates (a device fault printed just before SIGABRT/SIGSEGV/SIGBUS)."""
+    out = [f for f in active if f.structural and f.tier != HINT]
+    # torchrun's summary of a child that aborted ("exitcode: -6") counts like the exit status.
+    aborted = signal in _ABORT_SIGNALS or any(f.rule in ("abort", "segfault", "bus_error") for f in active)
+    if aborted:
+        out += [f for f in active if not f.structural and f.tier == ROOT
+                and (f.category is Category.DEVICE_FAULT or f.rule == "bad_alloc")]
+    return out
+
+
+def _refine(first: Finding | None, active: list[Finding]) -> Finding | None:
+    """A generic exception (tier 3) that ended a traceback, just after a library's own out-of-memory
+    message on the same rank (MIOpen, rocBLAS, NCCL print theirs, then raise a vague error): the
+    exception is the structural fact, the message the detail. Only OOM kinds (remedies, not
+    verdicts that end the job) are taken from such text."""
+    if first is None or first.tier != CRASH:
+        return first
+    near = [f for f in active if not f.structural and f.tier == ROOT
+            and f.category in (Category.GPU_OOM, Category.HOST_OOM)
+            and f.rank in (first.rank, None) and 0 <= first.line_no - f.line_no <= REFINE_WINDOW]
+    if not near:
+        return first
+    f = max(near, key=lambda f: (f.line_no, f.seq))
+    return dataclasses.replace(f, structural=True, notes=[*f.notes, f"it ended in {first.text[:200]!r} (line {first.line_no})"])
+
+
+def _pick_structural(findings: list[Finding]) -> Finding | None:
+    """The deciding structural finding.
+
+    Per rank, the exception that ends its LAST traceback decides (a chained or later exception
+    is what ended that process); across ranks the earliest wins, since ranks flush their stderr
+    independently. Tier 1 (root causes) before tiers 2-3 (comm failures and crashes are often
+    consequences of a root cause on another rank).
+    """
+    for tiers in ((ROOT,), (COMM, CRASH)):
+        per_rank: dict[int | None, Finding] = {}
+        for f in findings:
+            if f.tier in tiers:
+                cur = per_rank.get(f.rank)
+                if cur is None or (f.line_no, f.seq) > (cur.line_no, cur.seq):
+                    per_rank[f.rank] = f
+        if per_rank:
+            return min(per_rank.values(), key=lambda f: (f.line_no, f.seq))
+    return None
+
+
+def _pick_hint(active: list[Finding]) -> Finding | None:
+    hints = [f for f in active if not f.structural]
+    first = _pick(hints, ROOT)
+    # A watchdog timeout explains the comm aborts printed around it (before it, too).
+    comm = _pick([f for f in hints if f.rule == "nccl_timeout"], COMM) or _pick(hints, COMM)
+    if first is None:
+        # An abort/segfault marker is how a comm failure ends a rank, not a cause beside it.
+        crash = _pick([f for f in hints if comm is None or f.rule not in ("abort", "segfault", "bus_error")], CRASH)
+        later = [f for f in (comm, crash) if f is not None]
+        first = min(later, key=lambda f: (f.line_no, f.seq)) if later else None
+    return first or _pick(hints, HINT)
+
+
+def _hint_diagnosis(hint: Finding, state: ScanState) -> Diagnosis:
+    """A verdict from text alone: strength "hint"; a category the policy would end the job or
+    pause the queue on becomes crash_other (a retry), the text kept as detail."""
+    root = _root_of(hint)
+    note = " (from text printed outside an exception that ended a traceback: weaker evidence"
+    if hint.category in TERMINAL:
+        note += f"; not treated as {hint.category.value}"
+        root.hit = Hit(hint.hit.rule, Category.CRASH_OTHER, hint.hit.tier, hint.hit.subkind, exc=hint.hit.exc,
+                       numbers=dict(hint.hit.numbers), vendor=hint.hit.vendor)
+    return _diagnosis(root, state, note + ")", strength="hint")
+
+
+def _launch_failure(state: ScanState, exit: ExitRecord | None) -> Diagnosis | None:
+    """The command never started (the shim's exec failed): not the training's fault, nor a crash."""
+    if exit is None:
+        return None
+    line = next((f for f in state.findings if f.rule == "launch_failed"), None)
+    if not exit.launch_error and not (exit.returncode == 127 and line is not None):
+        return None
+    what = (exit.launch_error or (line.text if line else "")).strip()
+    what = what.split("oom-supervisor: ", 1)[-1]
+    ev = (line.evidence(),) if line is not None else ()
+    return dataclasses.replace(
+        _plain(Category.CONFIG_ERROR, "launch_failed", f"could not start: {what}", state, ev, phase=Phase.UNKNOWN),
+        numbers={"returncode": exit.returncode} if exit.returncode is not None else {})
+
+
+def _confirm_disk(root: _Root, host: HostEvidence | None, state: ScanState) -> tuple[_Root, Diagnosis | None]:
+    """Disk full needs the file system to agree when statvfs was measured (a quota is not visible there)."""
+    if host is None or not host.free_bytes or root.hit.subkind == "quota":
+        return root, None
+    full = {p: b for p, b in host.free_bytes.items() if b < NEAR_FULL_BYTES}
+    if full:
+        root.notes.append("statvfs: " + ", ".join(f"{p} has {human(b)} free" for p, b in sorted(full.items())))
+        return root, None
+    free = ", ".join(f"{p} has {human(b)} free" for p, b in sorted(host.free_bytes.items()))
+    root.hit = Hit(root.hit.rule, Category.CRASH_OTHER, root.hit.tier, root.hit.subkind, exc=root.hit.exc)
+    root.notes.append(f"the log says the disk is full but statvfs disagrees ({free}); not treated as disk_full")
+    return root, _diagnosis(root, state, strength="hint")
+
+
+def _choose(candidates: list[_Root], host_root: _Root | None) -> _Root | None:
+    """Earliest tier-1 cause; a corroborated OOM kill counts as tier 1 at its kill line."""
+    tier1 = [c for c in candidates if c.hit.tier == ROOT]
+    if host_root is not None:
+        tier1.append(host_root)
+    if tier1:
+        # A cause without a line (host evidence, loss-scale count) sorts after lines: it is
+        # known only at the end, so any earlier line-located root cause explains more.
+        return min(tier1, key=lambda c: (c.line_no == 0, c.line_no))
+    rest = [c for c in candidates if c.hit.tier in (COMM, CRASH)]
+    return min(rest, key=lambda c: c.line_no) if rest else None

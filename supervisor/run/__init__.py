@@ -1,0 +1,1 @@
+"""Processes, files and backends: shim, process tree, ownership, limits, log follower, GPUs, Slurm."""

@@ -1,0 +1,246 @@
+"""Start, watch and stop an attempt's whole process tree.
+
+An attempt is the shim (session leader, subreaper) and everything under it.
+We identify it by pid plus start time, so a recycled pid is never mistaken
+for our job after a daemon restart. Stopping is SIGTERM to every process of
+the tree (the group is not enough: torchrun workers leave the launcher's
+process group), then SIGKILL to whatever is left at ONE deadline, then the
+shim reaps and exits.
+
+The attempt's `Owner` (ownership.py) is the last word on whether anything of
+it still lives: the shim's descendants are only what is still attached.
+Stopping is split into `signal_tree` and `kill_tree` so the daemon can stop
+many attempts at once, each against one deadline, without blocking its loop;
+`terminate` is the blocking form for one attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from supervisor import SOURCE_ROOT
+from supervisor.core.paths import AttemptPaths
+from supervisor.run.fsutil import atomic_write_json
+from supervisor.run.limits import JobCgroup
+from supervisor.run.ownership import Owner
+
+SHIM_GRACE_S = 10.0  # after its job is gone, how long the shim may take to reap and write exit.json
+
+
+@dataclass
+class Handle:
+    """A live (or adopted) attempt. `popen` is None after a daemon restart."""
+
+    pid: int
+    create_time: float
+    popen: subprocess.Popen | None = None
+    cgroup: JobCgroup | None = None  # the memory cgroup, when a limit asked for one
+    owner: Owner | None = None
+
+    def shim(self) -> psutil.Process | None:
+        if self.pid <= 0:
+            return None
+        try:
+            p = psutil.Process(self.pid)
+            if abs(p.create_time() - self.create_time) > 0.05 or p.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return self.shim() is not None
+
+    def processes(self, *, scan: bool = False) -> list[psutil.Process]:
+        """Every live process of the attempt except the shim: its descendants, the
+        members of its ownership and memory cgroups (and, with `scan` and no
+        ownership cgroup, every process carrying the attempt's marker)."""
+        procs: dict[int, psutil.Process] = {}
+        shim = self.shim()
+        if shim is not None:
+            try:
+                for p in shim.children(recursive=True):
+                    procs[p.pid] = p
+            except psutil.NoSuchProcess:
+                pass
+        extra: list[psutil.Process] = []
+        if self.owner is not None:
+            extra += self.owner.members(scan=scan)
+        if self.cgroup is not None:
+            for pid in self.cgroup.pids():
+                try:
+                    extra.append(psutil.Process(pid))
+                except psutil.NoSuchProcess:
+                    pass
+        for p in extra:
+            if p.pid not in procs and p.pid != self.pid:
+                try:
+                    if p.status() != psutil.STATUS_ZOMBIE:
+                        procs[p.pid] = p
+                except psutil.Error:
+                    pass
+        return list(procs.values())
+
+    def over(self) -> bool:
+        """True only when the shim and every process of the attempt are gone."""
+        self.reap()
+        return not self.alive() and not self.processes(scan=True)
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the job (shim excluded), cgroup usage when there is one."""
+        if self.cgroup is not None:
+            cur = self.cgroup.current_bytes()
+            if cur is not None:
+                return cur
+        total = 0
+        for p in self.processes():
+            try:
+                total += p.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return total
+
+    def reap(self) -> None:
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=0)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
+           rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
+           owner: Owner | None = None, max_log_bytes: int | None = None) -> Handle:
+    """Write launch.json and start the shim in a new session (no shell)."""
+    write_launch(paths, argv=argv, cwd=cwd, env=env, rlimits=rlimits, cgroup=cgroup, owner=owner,
+                 max_log_bytes=max_log_bytes)
+    with open(paths.log, "ab") as log:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "supervisor.run.shim", str(paths.launch)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True, close_fds=True,
+            env={**os.environ, "PYTHONPATH": _package_root()},
+        )
+    try:
+        create_time = psutil.Process(popen.pid).create_time()
+    except psutil.NoSuchProcess:  # died at once; exit.json or its absence will tell
+        create_time = time.time()
+    return Handle(popen.pid, create_time, popen, cgroup, owner)
+
+
+def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
+                 rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
+                 owner: Owner | None = None, max_log_bytes: int | None = None) -> Path:
+    """What the shim runs with (it is also what a Slurm job's shim reads)."""
+    paths.root.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "argv": list(argv),
+        "cwd": str(cwd),
+        "env": env,
+        "log": str(paths.log),
+        "exit_record": str(paths.exit_record),
+        "rlimits": rlimits or {},
+        "cgroup_procs": str(cgroup.procs_file) if cgroup else None,
+        "owner_procs": str(owner.procs_file) if owner is not None and owner.procs_file else None,
+        "max_log_bytes": max_log_bytes,
+    }
+    atomic_write_json(paths.launch, spec, mode=0o600)  # the environment may hold tokens
+    return paths.launch
+
+
+def package_root() -> str:
+    return str(SOURCE_ROOT)
+
+
+def _package_root() -> str:
+    root = package_root()
+    extra = os.environ.get("PYTHONPATH")
+    return f"{root}{os.pathsep}{extra}" if extra else root
+
+
+def signal_tree(handle: Handle, sig: int = signal.SIGTERM) -> None:
+    """Send `sig` to every process of the attempt (not the shim: it forwards and waits)."""
+    if hasattr(handle, "signal_all"):  # an attempt that is not a local tree (a Slurm job)
+        handle.signal_all(sig)
+        return
+    _signal(handle.processes(scan=True), sig)
+
+
+def kill_tree(handle: Handle, *, shim_too: bool = False) -> None:
+    """SIGKILL every process of the attempt. The shim is spared (it reaps and writes the
+    exit record) unless `shim_too`: for a shim that is stuck although its job is gone."""
+    if hasattr(handle, "kill_all"):
+        handle.kill_all(shim_too)
+        return
+    shim = handle.shim()
+    if handle.owner is not None:
+        handle.owner.kill(spare=None if (shim is None or shim_too) else shim.pid)
+    if handle.cgroup is not None and (handle.owner is None or handle.owner.cgroup != handle.cgroup.path):
+        handle.cgroup.kill_all()
+    _signal(handle.processes(scan=True), signal.SIGKILL)
+    if shim_too and shim is not None:
+        _signal([shim], signal.SIGKILL)
+    handle.reap()
+
+
+def terminate(handle: Handle, *, grace_s: float, clock=time.monotonic) -> float:
+    """SIGTERM the whole tree, SIGKILL what is left at one deadline; wait until it is over.
+
+    Returns the seconds it took until every process of the attempt was gone (it
+    gives up after 10 s more: processes in uninterruptible sleep keep the
+    attempt alive, and the caller must keep the job held).
+    """
+    start = clock()
+    deadline = start + grace_s
+    signal_tree(handle, signal.SIGTERM)
+    while clock() < deadline:
+        if not handle.processes():
+            break
+        time.sleep(0.02)
+    if handle.processes(scan=True):
+        kill_tree(handle)
+    end = clock() + SHIM_GRACE_S
+    while not handle.over() and clock() < end:
+        if handle.processes():
+            kill_tree(handle)
+        time.sleep(0.02)
+    if not handle.over() and not handle.processes(scan=True):
+        kill_tree(handle, shim_too=True)  # its job is gone but it is stuck: force it
+        handle.reap()
+    return clock() - start
+
+
+def _signal(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def read_exit(paths: AttemptPaths) -> dict | None:
+    try:
+        return json.loads(paths.exit_record.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def find_shim_by_launch_file(launch_file: Path) -> psutil.Process | None:
+    """Fallback identity when a crash hit between launch and recording the pid."""
+    target = str(launch_file)
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if "supervisor.run.shim" in cmd and target in cmd:
+            return p
+    return None

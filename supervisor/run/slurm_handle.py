@@ -1,0 +1,99 @@
+"""An attempt that runs as a Slurm job, seen through the same handle as a local process tree.
+
+The runner asks a handle whether the attempt is over, to stop it and to kill it; for a
+Slurm job the answers come from Slurm (`slurm.py`). The release rule holds the same way:
+the attempt is over only when Slurm says the job is terminal (COMPLETING is not: its
+processes are still being killed), and a controller that does not answer means "not
+over" (the attempt stays held), never "gone". Inside the job runs the launch shim, so the
+true exit status (exit.json) and the SIGTERM forwarding to every worker are those of a
+local attempt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.run import slurm
+from supervisor.service.logsetup import log
+
+
+@dataclass
+class SlurmHandle:
+    job_id: str
+    record: dict[str, Any]  # the submission, plus start time and restarts once seen started
+    state: slurm.SlurmJobState | None = None
+    lost: bool = False  # neither scontrol nor the jobcomp file knows the job any more
+    unavailable_since: float | None = None
+    last_refresh: float = 0.0
+    pid: int = 0
+    create_time: float = 0.0
+    popen: Any = None
+    cgroup: Any = None
+    owner: Any = None
+    cancels: list[str] = field(default_factory=list)
+
+    # --- what Slurm says ----------------------------------------------------------------------
+    def refresh(self, *, force: bool = False) -> slurm.SlurmJobState | None:
+        now = time.monotonic()
+        if not force and now - self.last_refresh < 1.0:
+            return self.state
+        self.last_refresh = now
+        try:
+            seen = slurm.query_many([self.job_id]).get(self.job_id)
+            if seen is None or seen.terminal or force:
+                seen = slurm.query(self.job_id)  # exit codes, or the jobcomp file once forgotten
+                self.lost = seen is None
+            self.state = seen
+            self.unavailable_since = None
+        except slurm.SlurmError as exc:
+            if self.unavailable_since is None:
+                self.unavailable_since = now
+                log.warning("slurm_unavailable", job=self.job_id, error=str(exc)[:300])
+        if self.state is not None and self.state.running:
+            self.record = slurm.observed(self.record, self.state)
+        return self.state
+
+    def alive(self) -> bool:
+        st = self.refresh()
+        if self.unavailable_since is not None:
+            return True  # no answer is not an answer: keep it held
+        if st is None:
+            return not self.lost
+        return not st.terminal
+
+    def over(self) -> bool:
+        return not self.alive()
+
+    def same_run(self) -> bool:
+        st = self.refresh(force=True)
+        return st is None or slurm.same_run(self.record, st)
+
+    # --- the process-tree interface of proctree.Handle ---------------------------------------------
+    def processes(self, *, scan: bool = False) -> list:
+        return []  # Slurm's job cgroup holds them; `alive` is the truth
+
+    def reap(self) -> None:
+        pass
+
+    def shim(self):
+        return None
+
+    def rss_bytes(self) -> int:
+        return 0
+
+    def signal_all(self, _sig: int) -> None:
+        """SIGTERM to the batch process (the shim, which forwards it to every worker)."""
+        self._cancel(hard=False)
+
+    def kill_all(self, shim_too: bool = False) -> None:
+        self._cancel(hard=True, kill_now=shim_too)
+
+    def _cancel(self, *, hard: bool, kill_now: bool = False) -> None:
+        try:
+            slurm.cancel(self.job_id, hard=hard, kill_now=kill_now)
+            self.cancels.append("kill" if kill_now else "hard" if hard else "term")
+        except slurm.SlurmError as exc:
+            log.warning("slurm_cancel_failed", job=self.job_id, error=str(exc)[:300])
+        self.last_refresh = 0.0

@@ -1,0 +1,1 @@
+"""Telling people: notifications, webhooks, metrics, the report, systemd notify, logging."""
