@@ -3,7 +3,7 @@
 A file of its own, not the job record: it is a bounded cache (MAX_ROWS, oldest dropped), may
 be deleted at any time without losing a job, and is written after the verdict's transaction
 so a failure here never touches a verdict. The pure part (record, key, correction, choice)
-is `supervisor.policy.learn`; this module only stores, reads and queries.
+is `supervisor.judge.policy.learn`; this module only stores, reads and queries.
 
 The daemon edge makes three calls (each opens and closes the file, none raises):
   * `record_finished(state_root, ctx, overrides, diagnosis, succeeded=, max_step=,

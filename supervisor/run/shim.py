@@ -1,6 +1,6 @@
 """The launch shim: the session leader of every attempt.
 
-`python -m supervisor.shim LAUNCH_JSON` runs the attempt's argv (no shell)
+`python -m supervisor.run.shim LAUNCH_JSON` runs the attempt's argv (no shell)
 with its log on stdout/stderr and, when the command ends, writes the exit
 record atomically next to it. Because the shim (not the daemon) waits for the
 job, the true exit status survives a daemon crash: a restarted daemon reads

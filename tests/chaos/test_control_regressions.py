@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from supervisor.cli import main as cli
+from supervisor import cli
 from supervisor.run.limits import detect_cgroup
 from tests.conftest import drop
 

@@ -3,7 +3,7 @@
 The first session compiles DeepSpeed's CPU Adam (~2 minutes; cached under .cache/). Kept to the
 two transitions the remedies rely on most: dropping ZeRO-3 offload (exact resume) and escalating
 a plain run to ZeRO-3 + offload (no exact resume exists: weights-only, when the policy allows).
-Other transitions were measured once by hand; see the module docstring of supervisor.checkpoints.
+Other transitions were measured once by hand; see the module docstring of supervisor.run.checkpoints.
 """
 
 from __future__ import annotations

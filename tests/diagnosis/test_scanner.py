@@ -216,7 +216,7 @@ def test_without_fast_engines_every_fixture_reads_the_same():
     here = {c.name: diagnose_bytes(*_args(c)).to_dict() for c in fixture_cases()}
     code = (
         "import json, sys\n"
-        "from supervisor.diagnosis import diagnose_bytes, PREFILTER_ENGINE\n"
+        "from supervisor.judge.diagnosis import diagnose_bytes, PREFILTER_ENGINE\n"
         "from tests.diagnosis.cases import fixture_cases, load_case\n"
         "assert PREFILTER_ENGINE == 're', PREFILTER_ENGINE\n"
         "out = {}\n"

@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.cli import main as cli
+from supervisor import cli
 from supervisor.core.paths import SpoolPaths, StatePaths
 from supervisor.intake.spool import intake
 from supervisor.record.store import Store

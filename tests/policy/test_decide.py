@@ -161,7 +161,7 @@ def test_big_shortfall_skips_rungs_that_cannot_close_it(default_policy):
 
 
 def test_host_oom_without_offload_splits_the_batch(default_policy):
-    d = first(job(), oom(category=__import__("supervisor.models").models.Category.HOST_OOM, vendor="cpu"),
+    d = first(job(), oom(category=__import__("supervisor.core.models").core.models.Category.HOST_OOM, vendor="cpu"),
               default_policy)
     assert d.rung == "micro_batch"
 

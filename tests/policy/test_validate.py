@@ -121,20 +121,20 @@ def test_frozen_schema_matches_the_installed_packages():
     """lf_keys.py / ds_keys.py must be regenerated when llamafactory or deepspeed change."""
     pytest.importorskip("llamafactory", reason="llamafactory not installed")
     pytest.importorskip("deepspeed", reason="deepspeed not installed")
-    code = ("import json; from supervisor.llamafactory import introspect as i, lf_keys, ds_keys;"
+    code = ("import json; from supervisor.intake.llamafactory import introspect as i, lf_keys, ds_keys;"
             "print(json.dumps([i.llamafactory_fields() == lf_keys.FIELDS, i.deepspeed_schema() == ds_keys.SCHEMA,"
             "i.llamafactory_version() == lf_keys.LLAMAFACTORY_VERSION]))")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=180,
                          env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True, True], (
-        "regenerate: python -m supervisor.llamafactory.generate_keys")
+        "regenerate: python -m supervisor.intake.llamafactory.generate_keys")
 
 
 def test_validation_does_not_import_torch():
-    code = ("import sys; from pathlib import Path; from supervisor.llamafactory.validate import validate_config;"
+    code = ("import sys; from pathlib import Path; from supervisor.intake.llamafactory.validate import validate_config;"
             "validate_config({'deepspeed': {'zero_optimization': {'stage': 3}}, 'bf16': True}, workdir=Path('/'));"
-            "import supervisor.policy; print('torch' in sys.modules)")
+            "import supervisor.judge.policy; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

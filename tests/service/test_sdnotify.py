@@ -40,7 +40,7 @@ def recv(s: socket.socket) -> dict[str, str]:
 
 def test_ready_status_watchdog_stopping_from_a_real_process(listener):
     s, path = listener
-    code = ("from supervisor.sdnotify import ServiceNotifier as N, status_line as L\n"
+    code = ("from supervisor.service.sdnotify import ServiceNotifier as N, status_line as L\n"
             "import os\n"
             "n = N.from_env()\n"
             "assert 'NOTIFY_SOCKET' not in os.environ, 'children must not inherit it'\n"
