@@ -34,8 +34,9 @@ from typing import Any
 
 from supervisor.core.paths import StatePaths
 from supervisor.core.states import JobState
-from supervisor.daemon import attempts as attempt_mod
 from supervisor.daemon.config import DaemonConfig
+from supervisor.daemon.follow import STUCK_AFTER_S, Active, describe
+from supervisor.daemon.runner import Runner
 from supervisor.intake.spool import intake
 from supervisor.record.store import JobRow, Store
 from supervisor.run.diskfull import describe_full, free_bytes, is_disk_full
@@ -80,7 +81,7 @@ class StateLock:
 class Daemon:
     cfg: DaemonConfig
     clock: Any = time.time
-    active: dict[int, attempt_mod.Active] = field(default_factory=dict)
+    active: dict[int, Active] = field(default_factory=dict)
     stopping: bool = False
     disk_full: str | None = None  # why the state folder cannot be written, while it cannot
     finish_failures: dict[int, int] = field(default_factory=dict)
@@ -104,13 +105,11 @@ class Daemon:
     def run(self) -> int:
         self.lock.acquire()
         self.store = Store(self.state.db, clock=self.clock)
-        self.runner = attempt_mod.Runner(self.cfg, self.store, self.notifier, clock=self.clock)
+        self.runner = Runner(self.cfg, self.store, self.notifier, clock=self.clock)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        owner = self.runner.owner_support
-        ownership = (owner.describe() if owner else "process tree + attempt marker (no cgroup could be made "
-                     "here: run as root or with a delegated cgroup for cgroup ownership)")
+        ownership = self.runner.backend.describe()
         log.info("daemon_started", pid=os.getpid(), state_dir=str(self.state.root),
-                 spool_dir=str(self.cfg.spool.root), memory_cgroups=str(self.runner.cgroup_support),
+                 spool_dir=str(self.cfg.spool.root), memory_cgroups=str(getattr(self.runner.backend, 'cgroup_support', None)),
                  ownership=ownership)
         self.store.event(None, "daemon", f"daemon started (pid {os.getpid()}); attempt ownership: {ownership}")
         if self.metrics is not None:
@@ -126,11 +125,7 @@ class Daemon:
             self.shutdown()
             if self.metrics is not None:
                 self.metrics.close()
-            if self.runner.owner_support is not None:
-                try:  # our attempts' parent cgroup, once no attempt (held or adopted later) is in it
-                    self.runner.owner_support.parent.rmdir()
-                except OSError:
-                    pass
+            self.runner.backend.close()
             for s, h in old.items():
                 signal.signal(s, h)
             self.store.event(None, "daemon", "daemon stopped")
@@ -193,8 +188,8 @@ class Daemon:
                 log.exception("metrics_update_failed")
 
     def _running_info(self, act) -> RunningJob:
-        spec = act.spec
-        return RunningJob(job_id=act.job_id, name=spec.name, attempt=act.number, step=act.last_step,
+        name = act.spec.name if act.spec is not None else f"job {act.job_id}"
+        return RunningJob(job_id=act.job_id, name=name, attempt=act.number, step=act.last_step,
                           total_steps=act.scanner.total_steps, peak_host_bytes=act.peak_rss or None)
 
     def _run_step(self, name: str, step) -> None:
@@ -270,14 +265,14 @@ class Daemon:
                 self.runner.stop(act, reason="shutdown", grace_s=self.cfg.stop_grace)
             except Exception:
                 log.exception("shutdown_stop_failed", job=job_id)
-        deadline = time.monotonic() + self.cfg.stop_grace + attempt_mod.STUCK_AFTER_S
+        deadline = time.monotonic() + self.cfg.stop_grace + STUCK_AFTER_S
         while self.active and time.monotonic() < deadline:
             self._run_step("monitor", self.step_monitor)
             if self.active:
                 time.sleep(0.05)
         for job_id, act in self.active.items():
             msg = (f"the supervisor stops but attempt {act.number} still has processes "
-                   f"({attempt_mod._describe(act.handle.processes())}); the job stays running (held) and "
+                   f"({describe(act.handle.processes())}); the job stays running (held) and "
                    "the next start of the supervisor takes it back")
             log.error("shutdown_left_processes", job=job_id, message=msg)
             try:
@@ -375,8 +370,8 @@ class Daemon:
         """(may start now, the GPUs it gets). A job naming GPUs gets those when none is taken; one
         asking for N gets the lowest N free ones of the box; one with neither takes the whole box
         and runs alone (as LLaMA-Factory then uses every visible GPU)."""
-        if job.cancel_requested or self.runner.slurm:
-            return True, None  # start() settles a cancel; Slurm allocates its own GPUs
+        if job.cancel_requested or self.runner.backend.allocates_gpus:
+            return True, None  # start() settles a cancel; a scheduler allocates its own GPUs
         try:
             sup = self.runner.spec_of(job.id).sup
         except Exception:
@@ -402,13 +397,13 @@ class Daemon:
     def _inventory(self) -> list[int]:
         if self.cfg.gpu_devices is not None:
             return sorted(self.cfg.gpu_devices)
-        return sorted(self.runner._gpu_capacities())
+        return sorted(self.runner.backend.gpu_capacities())
 
     def _vram_released(self, job: JobRow, gpus: list[int] | None) -> bool:
         """A job's attempt waits (bounded, in a worker thread: GPU tools can hang) until the memory
         of the attempt that ran on its GPUs before is given back; then it starts, said either way."""
         last = self.store.last_attempt(job.id)
-        if last is None or job.cancel_requested or self.runner.slurm or self.cfg.vram_release_timeout <= 0:
+        if last is None or job.cancel_requested or self.runner.backend.allocates_gpus or self.cfg.vram_release_timeout <= 0:
             return True
         fut = self.vram_waits.get(job.id)
         if fut is None:
@@ -426,7 +421,7 @@ class Daemon:
             return True
         if res.released is False:
             self.store.event(job.id, "vram_not_released", res.message)
-            self.runner._notify(job.id, "vram_not_released", res.message)
+            self.runner.journal.notify(job.id, "vram_not_released", res.message)
         elif res.released and res.waited_s >= 1.0:
             self.store.event(job.id, "vram_released", res.message)
         return True

@@ -63,3 +63,13 @@ def read_json(path: Path) -> Any | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, ValueError, UnicodeDecodeError):
         return None
+
+
+def tail_text(path: Path, n: int) -> str:
+    """The last `n` bytes of a file as text (undecodable bytes replaced); "" when unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.fstat(fh.fileno()).st_size - n))
+            return fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

@@ -333,19 +333,3 @@ def detect_vendor(dev: Path = Path("/dev")) -> str:
     if (dev / "nvidiactl").exists():
         return "nvidia"
     return "unknown"
-
-
-def visibility_env(gpus: list[int], vendor: str) -> dict[str, str]:
-    """The variables that restrict a process to `gpus`, as its vendor reads them.
-
-    ROCm filters in layers (ROCR_VISIBLE_DEVICES first, then HIP_VISIBLE_DEVICES indexes
-    into what is left), so AMD gets ROCR only and the others are removed by the caller;
-    NVIDIA reads CUDA_VISIBLE_DEVICES; unknown gets CUDA and HIP with the same list (HIP
-    also honours CUDA_VISIBLE_DEVICES), as before.
-    """
-    ids = ",".join(str(g) for g in gpus)
-    if vendor == "amd":
-        return {"ROCR_VISIBLE_DEVICES": ids}
-    if vendor == "nvidia":
-        return {"CUDA_VISIBLE_DEVICES": ids}
-    return {"CUDA_VISIBLE_DEVICES": ids, "HIP_VISIBLE_DEVICES": ids}

@@ -118,6 +118,33 @@ class Handle:
             except subprocess.TimeoutExpired:
                 pass
 
+    # --- what every backend's handle answers (see supervisor.run.backends) --------------------
+    def describe(self) -> str:
+        return f"pid {self.pid}"
+
+    def waiting(self) -> bool:
+        """Not yet running (a scheduler's queue): silence then is not a hang."""
+        return False
+
+    def same_run(self) -> bool:
+        return True  # pid + start time already identify it
+
+    def signal_all(self, sig: int = signal.SIGTERM) -> None:
+        signal_tree(self, sig)
+
+    def kill_all(self, shim_too: bool = False) -> None:
+        kill_tree(self, shim_too=shim_too)
+
+    def force_stop(self, overdue_s: float) -> bool:
+        """Past the stop deadline by `overdue_s`: SIGKILL what is left; True when a kill went out
+        to the job's processes (a shim stuck after its job is gone is killed too, later)."""
+        if self.processes():
+            kill_tree(self)
+            return True
+        if self.alive() and overdue_s > SHIM_GRACE_S:
+            kill_tree(self, shim_too=True)
+        return False
+
 
 def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
            rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
@@ -171,18 +198,12 @@ def _package_root() -> str:
 
 def signal_tree(handle: Handle, sig: int = signal.SIGTERM) -> None:
     """Send `sig` to every process of the attempt (not the shim: it forwards and waits)."""
-    if hasattr(handle, "signal_all"):  # an attempt that is not a local tree (a Slurm job)
-        handle.signal_all(sig)
-        return
     _signal(handle.processes(scan=True), sig)
 
 
 def kill_tree(handle: Handle, *, shim_too: bool = False) -> None:
     """SIGKILL every process of the attempt. The shim is spared (it reaps and writes the
     exit record) unless `shim_too`: for a shim that is stuck although its job is gone."""
-    if hasattr(handle, "kill_all"):
-        handle.kill_all(shim_too)
-        return
     shim = handle.shim()
     if handle.owner is not None:
         handle.owner.kill(spare=None if (shim is None or shim_too) else shim.pid)

@@ -18,6 +18,8 @@ from typing import Any
 from supervisor.run import slurm
 from supervisor.service.logsetup import log
 
+KILL_AFTER_S = 60.0  # after a hard scancel, SIGKILL at once if the job still is not gone
+
 
 @dataclass
 class SlurmHandle:
@@ -89,6 +91,23 @@ class SlurmHandle:
 
     def kill_all(self, shim_too: bool = False) -> None:
         self._cancel(hard=True, kill_now=shim_too)
+
+    def force_stop(self, overdue_s: float) -> bool:
+        """Past the stop deadline: scancel (Slurm's TERM, KillWait, then SIGKILL of the job's
+        cgroup); if the job is still not gone a minute later, SIGKILL at once."""
+        if not self.cancels or self.cancels == ["term"]:
+            self.kill_all()
+            return True
+        if overdue_s > KILL_AFTER_S and "kill" not in self.cancels:
+            self.kill_all(shim_too=True)
+        return False
+
+    def waiting(self) -> bool:
+        """In Slurm's queue (or not yet seen): silence then is not a hang."""
+        return self.state is None or self.state.state != "RUNNING"
+
+    def describe(self) -> str:
+        return f"Slurm job {self.job_id}"
 
     def _cancel(self, *, hard: bool, kill_now: bool = False) -> None:
         try:

@@ -41,8 +41,8 @@ def make_daemon(tmp_path: Path, **cfg) -> Daemon:
     d = Daemon(conf)
     d.lock.acquire()
     d.store = Store(conf.state.db)
-    from supervisor.daemon import attempts
-    d.runner = attempts.Runner(conf, d.store, d.notifier)
+    from supervisor.daemon.runner import Runner
+    d.runner = Runner(conf, d.store, d.notifier)
     return d
 
 
@@ -404,6 +404,7 @@ def test_marker_finds_processes_without_a_cgroup(tmp_path):
 
 def test_a_policy_can_switch_the_emergency_checkpoint_off(daemon_factory, tmp_path):
     from supervisor.core.models import Overrides
+    from supervisor.judge.plan import with_policy_switches
     from supervisor.judge.policy import render_attempt
 
     pol = tmp_path / "policies"
@@ -417,7 +418,7 @@ def test_a_policy_can_switch_the_emergency_checkpoint_off(daemon_factory, tmp_pa
     envs = {}
     for job_id in (on, off):
         spec, job = d.runner.spec_of(job_id), d.store.job(job_id)
-        over = d.runner._with_policy_switches(spec, job, Overrides())
+        over = with_policy_switches(Overrides(), d.runner.facts.policy(spec, job))
         envs[job_id] = render_attempt(spec, over, attempt_dir=tmp_path / f"a{job_id}", resume_yaml={},
                                       launcher=["x"]).env
     assert envs[on].get("OOM_SUPERVISOR_EMERGENCY_CKPT") == "1"

@@ -11,7 +11,7 @@ import sys
 import time
 
 from supervisor.core.states import JobState
-from supervisor.run.gpus import visibility_env
+from supervisor.intake.llamafactory.launch import visibility_env
 
 from .test_control import add_job, daemon_factory, run_until  # noqa: F401  (fixture)
 

@@ -52,3 +52,19 @@ def launch_fields(*, nproc_per_node: int | None, gpus: Sequence[int] | None, env
     return {"nproc_per_node": nproc_per_node or pinned_nproc(env),
             "gpus": tuple(gpus) if gpus else None,
             "visible_gpu_count": visible_gpu_count(env, probed_gpus)}
+
+
+def visibility_env(gpus: Sequence[int], vendor: str) -> dict[str, str]:
+    """The variables that restrict a process to `gpus`, as its vendor reads them.
+
+    ROCm filters in layers (ROCR_VISIBLE_DEVICES first, then HIP_VISIBLE_DEVICES indexes
+    into what is left), so AMD gets ROCR only and the others are removed by the caller;
+    NVIDIA reads CUDA_VISIBLE_DEVICES; unknown gets CUDA and HIP with the same list (HIP
+    also honours CUDA_VISIBLE_DEVICES), as before.
+    """
+    ids = ",".join(str(g) for g in gpus)
+    if vendor == "amd":
+        return {"ROCR_VISIBLE_DEVICES": ids}
+    if vendor == "nvidia":
+        return {"CUDA_VISIBLE_DEVICES": ids}
+    return {"CUDA_VISIBLE_DEVICES": ids, "HIP_VISIBLE_DEVICES": ids}

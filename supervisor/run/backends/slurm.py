@@ -1,0 +1,106 @@
+"""Attempts as Slurm jobs: one `sbatch` per attempt, running the launch shim inside the job.
+
+Slurm's job cgroup owns the processes and `--mem` keeps the memory limit; Slurm allocates the
+GPUs. The shim inside the job writes exit.json and forwards Slurm's SIGTERM to every worker, so
+the true exit status and a graceful stop are those of a local attempt (`supervisor.run.slurm`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from supervisor.core.paths import AttemptPaths
+from supervisor.intake.jobspec import JobSpec
+from supervisor.intake.slurm_request import SlurmJobRequest
+from supervisor.run import proctree, slurm
+from supervisor.run.backends.base import Launched, Reservation
+from supervisor.run.fsutil import tail_text
+from supervisor.run.slurm_handle import SlurmHandle
+
+
+class SlurmBackend:
+    name = "slurm"
+    allocates_gpus = True
+    keeps_verdicts = True  # Slurm knows how a job ended even when its shim could not say
+    gpu_vendor = "unknown"  # Slurm sets the visibility variables itself
+
+    def __init__(self, cfg) -> None:
+        self.settings = cfg.slurm_settings
+        self.max_log_bytes = cfg.max_log_bytes
+        self.state_tag = hashlib.sha256(str(cfg.state.root).encode()).hexdigest()[:8]
+        self.owner_support = None
+        self.cgroup_support = None
+
+    def describe(self) -> str:
+        return "Slurm job cgroups (each attempt is one sbatch job)"
+
+    def attempt_tag(self, job_id: int, number: int) -> str:
+        return f"job-{job_id}-attempt-{number}-{self.state_tag}"
+
+    # --- the cluster --------------------------------------------------------------------------------
+    def gpu_capacities(self) -> dict[int, int]:
+        return {}  # not this box's GPUs: Slurm allocates them
+
+    def request(self, spec: JobSpec) -> SlurmJobRequest:
+        request = spec.sup.slurm_request or SlurmJobRequest()
+        if request.mem is None and spec.sup.host_memory_limit:
+            request = request.model_copy(update={"mem": spec.sup.host_memory_limit})
+        return request
+
+    def world_size(self, spec: JobSpec) -> int:
+        return self.request(spec).world_size(self.settings)
+
+    def launch_fields(self, spec: JobSpec, gpus: list[int] | None, env: dict[str, str]) -> dict[str, Any]:
+        """GPUs per node from the job's request or the site's default."""
+        req = self.request(spec)
+        gpn = req.gpus_per_node if req.gpus_per_node is not None else self.settings.gpus_per_node
+        return {"nproc_per_node": max(1, gpn), "gpus": None, "visible_gpu_count": gpn}
+
+    # --- one attempt --------------------------------------------------------------------------------
+    def reserve(self, tag: str, paths: AttemptPaths, memory_limit: int | None) -> Reservation:
+        return Reservation(tag=tag, mechanism="slurm-cgroup" if memory_limit else None)
+
+    def release(self, res: Reservation) -> None:
+        pass
+
+    def launch(self, res: Reservation, paths: AttemptPaths, *, argv: list[str], cwd: Path,
+               env: dict[str, str], spec: JobSpec) -> Launched:
+        """One attempt = one sbatch job running the launch shim (exit.json, SIGTERM to every worker)."""
+        proctree.write_launch(paths, argv=argv, cwd=cwd, env=env, max_log_bytes=self.max_log_bytes)
+        sub = slurm.submit(paths.root, paths.log, [sys.executable, "-m", "supervisor.run.shim", str(paths.launch)],
+                           cwd, {**env, "PYTHONPATH": proctree.package_root()},
+                           settings=self.settings, request=self.request(spec), job_name=f"oomsv-{res.tag}")
+        handle = SlurmHandle(sub.job_id, sub.to_dict())
+        return Launched(handle, {"backend_ref": json.dumps({"slurm": handle.record})},
+                        [("slurm_submitted", f"is Slurm job {sub.job_id}", {"slurm_job": sub.job_id})])
+
+    def unlaunched(self, res: Reservation) -> proctree.Handle:
+        return proctree.Handle(0, 0.0)
+
+    def adopt(self, row: Any, paths: AttemptPaths, tag: str) -> SlurmHandle | None:
+        ref = row.json("backend_ref") or {}
+        if "slurm" not in ref:
+            return None  # never submitted (the crash came before sbatch answered)
+        return SlurmHandle(str(ref["slurm"]["job_id"]), dict(ref["slurm"]))
+
+    def verdict(self, handle: Any, paths: AttemptPaths, memory_limit: int | None) -> dict[str, Any] | None:
+        if not isinstance(handle, SlurmHandle):
+            return None
+        st = handle.refresh(force=True)
+        if st is None:
+            return None
+        return slurm.verdict(st, tail_text(paths.log, 64 << 10), requested_mem_bytes=memory_limit)
+
+    def telemetry(self, handle: Any, gpus: list[int] | None) -> None:
+        return None  # no access to the nodes' GPUs from here
+
+    def cleanup(self, handle: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
