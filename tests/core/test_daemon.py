@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import yaml
+
 from ..conftest import REPO, DaemonProc, command_job, drop, fakejob, pids_with_marker, write_config
 
 CUDA_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
@@ -296,3 +298,36 @@ def test_a_program_that_survives_its_own_oom_can_opt_out_of_early_teardown(daemo
     a = daemon.show(1)["attempt_list"][0]
     assert daemon.job_state(1) == "succeeded" and a["exit"]["stopped_by"] is None
     assert a["diagnosis"]["category"] == "success"
+
+
+WAIT_FOR_FILE = ("import os, sys, time\nopen(sys.argv[1] + '.started', 'w').close()\n"
+                 "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\nprint('released', flush=True)\n")
+
+
+def test_recovery_that_cannot_read_the_job_file_keeps_the_live_training(daemon, tmp_path):
+    """Issue 18 case 1: after `kill -9` of the daemon, job 1's job.yaml holds a key the restarted
+    version refuses (an upgrade with KillMode=process). Its training still runs: job 1 must not be
+    failed and job 2 must not start beside it; it is adopted and finishes."""
+    work = tmp_path / "work"
+    (work / "wait.py").write_text(WAIT_FOR_FILE)
+    release, ran = tmp_path / "release", tmp_path / "job2-ran"
+    daemon.start()
+    drop(daemon.spool, "a.yaml", command_job(work, [sys.executable, "wait.py", str(release)], name="first"))
+    daemon.wait_state(1, "running")
+    drop(daemon.spool, "b.yaml", command_job(work, [sys.executable, "-c", f"open({str(ran)!r}, 'w')"], name="second"))
+    daemon.wait_for(lambda: (tmp_path / "release.started").exists(), what="job 1 running")
+    daemon.wait_for(lambda: daemon.job_state(2) == "queued", what="job 2 queued")
+    daemon.kill9()
+    job_file = daemon.state / "jobs" / "1" / "job.yaml"
+    doc = yaml.safe_load(job_file.read_text())
+    doc["supervisor"]["frobnicate"] = True  # what the new version refuses
+    job_file.write_text(yaml.safe_dump(doc))
+    daemon.start()
+    time.sleep(3)  # many ticks of the restarted daemon
+    assert daemon.job_state(1) == "running", daemon.show(1)["reason"]
+    assert daemon.job_state(2) == "queued" and not ran.exists(), "job 2 started beside a live training"
+    release.touch()
+    daemon.wait_state(1, "succeeded", timeout=60)
+    daemon.wait_state(2, "succeeded", timeout=60)
+    adopted = [e["message"] for e in daemon.show(1)["events"] if e["kind"] == "attempt_adopted"]
+    assert adopted and "no longer parses" in adopted[0]
