@@ -87,6 +87,7 @@ class Daemon:
     finish_failures: dict[int, int] = field(default_factory=dict)
     vram_waits: dict[int, Any] = field(default_factory=dict)
     said_blocked: set = field(default_factory=set)
+    unrecovered: dict[int, str] = field(default_factory=dict)  # job id -> why it could not be taken back
     last_tick_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -326,6 +327,10 @@ class Daemon:
         self.runner.internal_failure(job_id, f"judge the attempt: {exc!r}")
 
     def step_schedule(self) -> None:
+        if self.unrecovered:
+            self.recover()  # held jobs first: their processes may hold any GPU
+            if self.unrecovered:
+                return
         paused = self.store.get_meta("queue_paused")
         if paused:
             return
@@ -435,10 +440,30 @@ class Daemon:
 
     # --- crash recovery ----------------------------------------------------------------
     def recover(self) -> None:
-        """Take back every `running` job (whatever of its attempt lives) before scheduling anything."""
+        """Take back every `running` job (whatever of its attempt lives) before scheduling anything.
+
+        A job that cannot even be looked at (its attempt's owner cannot be found: the record or the
+        backend fails) stays `running` and held: nothing is scheduled while any is, since its
+        processes may hold any GPU, and taking it back is tried again every tick."""
         for job in self.store.jobs({JobState.RUNNING}):
-            act = self._per_job(job.id, "recover after restart", self.runner.recover, job,
-                                self.cfg.on_restart == "adopt")
+            if job.id in self.active:
+                continue
+            try:
+                act = self.runner.recover(job, self.cfg.on_restart == "adopt")
+            except Exception as exc:
+                if is_disk_full(exc):
+                    self._on_disk_full(exc)
+                    return
+                if job.id not in self.unrecovered:
+                    log.exception("recovery_impossible", job=job.id)
+                    try:
+                        self.store.event(job.id, "recovery_failed",
+                                         f"cannot take job {job.id} back after the restart ({exc!r}); it stays "
+                                         "held and nothing else starts until it can be (tried again every tick)")
+                    except Exception:
+                        pass
+                self.unrecovered[job.id] = repr(exc)
+                continue
+            self.unrecovered.pop(job.id, None)
             if act is not None:
                 self.active[job.id] = act
-

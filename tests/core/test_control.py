@@ -423,3 +423,36 @@ def test_a_policy_can_switch_the_emergency_checkpoint_off(daemon_factory, tmp_pa
                                       launcher=["x"]).env
     assert envs[on].get("OOM_SUPERVISOR_EMERGENCY_CKPT") == "1"
     assert "OOM_SUPERVISOR_EMERGENCY_CKPT" not in envs[off] or envs[off]["OOM_SUPERVISOR_EMERGENCY_CKPT"] == "0"
+
+
+def test_a_job_that_cannot_be_taken_back_stays_held_and_nothing_starts(daemon_factory, tmp_path, monkeypatch):
+    """Issue 18 case 1, the last resort: if even the attempt's owner cannot be looked up after a
+    restart (here the backend raises), the job is not failed beside its live training: it stays
+    running, nothing else is scheduled, and it is taken back once that works."""
+    d = daemon_factory()
+    first = add_job(d, tmp_path, fakejob(marker_of(tmp_path), "--steps", "600", "--sleep", "0.1"))
+    second = add_job(d, tmp_path, [sys.executable, "-c", "print('second')"])
+    run_until(d, lambda: job_pids(tmp_path), what="the training to run")
+    training = job_pids(tmp_path)
+    d.active.clear()
+    d.lock.release()  # the daemon "crashed"; its training lives on
+    d2 = daemon_factory()
+    broken = {"on": True}
+    real_adopt = d2.runner.backend.adopt
+
+    def adopt(*args, **kw):
+        if broken["on"]:
+            raise OSError("the record of attempt 1 cannot be read")
+        return real_adopt(*args, **kw)
+
+    monkeypatch.setattr(d2.runner.backend, "adopt", adopt)
+    d2.recover()
+    for _ in range(20):
+        d2.tick()
+        time.sleep(0.05)
+    assert d2.store.job(first).state == JobState.RUNNING and live(training)
+    assert d2.store.job(second).state == JobState.QUEUED, "the second job started beside a live training"
+    assert [e.kind for e in d2.store.events(first)].count("recovery_failed") == 1
+    broken["on"] = False
+    run_until(d2, lambda: first in d2.active, what="job 1 taken back")
+    assert any(e.kind == "attempt_adopted" for e in d2.store.events(first))
