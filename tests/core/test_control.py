@@ -256,6 +256,25 @@ def test_deleted_log_is_still_read_through_the_open_file(tmp_path):
     w.close()
 
 
+def test_a_log_truncated_and_refilled_past_the_offset_is_read_from_its_start(tmp_path):
+    """Issue 18 case 4: the shim's cap truncates the log in place; if the training writes more than
+    the old offset before the next poll, the size alone does not show it."""
+    log = tmp_path / "output.log"
+    w = open(log, "ab", buffering=0)
+    w.write(b"a" * 1000 + b"\n")
+    f = LogFollower(log)
+    assert len(b"".join(f.read(1 << 20, 1.0))) == 1001
+    os.ftruncate(w.fileno(), 0)  # as the shim's log cap does (O_APPEND writer)
+    fresh = b"[oom-supervisor] log over 1000 bytes: truncated here\n" + b"torch.OutOfMemoryError: CUDA out of memory\n" * 40
+    w.write(fresh)
+    assert len(fresh) > 1001 and f.pending() > 0
+    assert b"".join(f.read(1 << 20, 1.0)) == fresh
+    assert any("truncated and written again" in n for n in f.notes)
+    w.write(b"more\n")
+    assert b"".join(f.read(1 << 20, 1.0)) == b"more\n", "and followed normally afterwards"
+    w.close()
+
+
 def test_follower_reads_within_its_budget(tmp_path):
     log = tmp_path / "output.log"
     log.write_bytes(b"y" * (5 << 20))
