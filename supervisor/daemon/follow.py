@@ -64,6 +64,7 @@ class Active:
     launch_failure: str | None = None
     vram: Any = None
     stuck_reported: bool = False
+    late_reported: bool = False  # said that the exit record waits for room
     broken: str | None = None  # our own error while following it: stop it, then record
     limit_killed: bool = False  # stopped for going over host_memory_limit (sampled, no cgroup)
     scheduler: dict | None = None  # the scheduler's own verdict (Slurm), read once it is over
@@ -121,6 +122,14 @@ class Follower:
         # Alive. The exit check came first: a job that ended while we were stalled is not a hang.
         if act.handle.waiting():
             act.last_output_mono = now  # waiting in a scheduler's queue is not a hang
+        if act.handle.lingering():
+            act.last_output_mono = now  # ended; its exit record waits for room: not a hang either
+            if not act.late_reported:
+                self.journal.event(act.job_id, "exit_record_late",
+                                   f"attempt {act.number}: the command has ended but its exit record cannot be "
+                                   f"written yet (no space in {act.paths.root.parent}); the job stays held until "
+                                   "the shim can write it, and is judged then", attempt=act.number)
+                act.late_reported = True
         if (act.stopped_by is None and act.broken is None and act.hang_timeout
                 and now - act.last_output_mono > act.hang_timeout):
             self.journal.event(act.job_id, "hang_detected",

@@ -32,6 +32,7 @@ from supervisor.core.paths import AttemptPaths
 from supervisor.run.fsutil import atomic_write_json
 from supervisor.run.limits import JobCgroup
 from supervisor.run.ownership import Owner
+from supervisor.run.shim import LINGER_COMM
 
 SHIM_GRACE_S = 10.0  # after its job is gone, how long the shim may take to reap and write exit.json
 
@@ -137,13 +138,24 @@ class Handle:
 
     def force_stop(self, overdue_s: float) -> bool:
         """Past the stop deadline by `overdue_s`: SIGKILL what is left; True when a kill went out
-        to the job's processes (a shim stuck after its job is gone is killed too, later)."""
+        to the job's processes (a shim stuck after its job is gone is killed too, later; never one
+        that waits for room to write the exit record: it holds the verdict)."""
         if self.processes():
             kill_tree(self)
             return True
-        if self.alive() and overdue_s > SHIM_GRACE_S:
+        if self.alive() and overdue_s > SHIM_GRACE_S and not self.lingering():
             kill_tree(self, shim_too=True)
         return False
+
+    def lingering(self) -> bool:
+        """The command has ended and the shim waits for room to write its exit record."""
+        shim = self.shim()
+        if shim is None:
+            return False
+        try:
+            return shim.name() == LINGER_COMM
+        except psutil.Error:
+            return False
 
 
 def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],

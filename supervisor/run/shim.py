@@ -28,16 +28,21 @@ atomic writes.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import resource
 import signal
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NAME = 15
+EXIT_RESERVE_BYTES = 64 << 10
+LINGER_COMM = "oomsv-exitwait"  # the shim's name while it waits for room to write the exit record
 STRAGGLER_GRACE_S = 5.0
 
 
@@ -180,18 +185,68 @@ def _copy_to(src, offset: int, length: int, dest: str) -> None:
     os.replace(tmp, dest)
 
 
-def _write_exit(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+class ExitRecord:
+    """The exit record, with its space taken when the attempt starts.
+
+    A training that finished must never be run again because its exit status could not be
+    written: the temp file's blocks are allocated at launch (posix_fallocate), so a disk that
+    fills while the job runs cannot lose how it ended. If the record still cannot be written
+    (no room even at launch), the shim stays, renamed `oomsv-exitwait` so the daemon can tell,
+    and retries until it can: the daemon holds the job meanwhile and says so.
+    The temp name is unique per host and process: every node of a multi-node job writes its
+    own record beside the others.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+        self.fd: int | None = None
+        try:
+            self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            os.posix_fallocate(self.fd, 0, EXIT_RESERVE_BYTES)
+        except OSError:
+            pass  # no room even now: write() lingers until there is
+
+    def write(self, record: dict) -> None:
+        data = json.dumps(record).encode()
+        delay, renamed = 0.5, False
+        while True:
+            try:
+                self._write_once(data)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                if not renamed:
+                    _set_comm(LINGER_COMM)
+                    renamed = True
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    def _write_once(self, data: bytes) -> None:
+        if self.fd is None:
+            self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        written = 0
+        while written < len(data):
+            written += os.pwrite(self.fd, data[written:], written)
+        os.ftruncate(self.fd, len(data))
+        os.fsync(self.fd)
+        os.replace(self.tmp, self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _set_comm(name: str) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except Exception:
+        pass
 
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
-    exit_path = Path(spec["exit_record"])
+    exit_record = ExitRecord(Path(spec["exit_record"]))
     _become_subreaper()
 
     # Someone signalling only the shim (a user, systemd): pass it on to the job,
@@ -207,7 +262,7 @@ def main(argv: list[str]) -> int:
     refused = _join_owner(spec)
     if refused is not None:
         os.write(log_fd, f"oom-supervisor: {refused}; nothing was started\n".encode())
-        _write_exit(exit_path, {"returncode": 126, "signal": None, "launch_error": refused,
+        exit_record.write({"returncode": 126, "signal": None, "launch_error": refused,
                                 "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
         return 126
     # exec errors come back on a close-on-exec pipe: empty when exec succeeded.
@@ -215,7 +270,7 @@ def main(argv: list[str]) -> int:
     try:
         pid = os.fork()
     except OSError as exc:
-        _write_exit(exit_path, {"returncode": 127, "signal": None, "launch_error": f"fork failed: {exc}",
+        exit_record.write({"returncode": 127, "signal": None, "launch_error": f"fork failed: {exc}",
                                 "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
         return 127
     if pid == 0:  # child
@@ -294,7 +349,7 @@ def main(argv: list[str]) -> int:
         record["peak_rss_bytes"] = peak[0]
     os.close(log_fd)
     record.update(started_at=started, ended_at=ended, duration_s=round(ended - started, 3), pid=pid)
-    _write_exit(exit_path, record)
+    exit_record.write(record)
     code = record["returncode"]
     return 128 + (-code) if isinstance(code, int) and code < 0 else (code if code is not None else 1)
 

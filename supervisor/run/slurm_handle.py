@@ -109,6 +109,9 @@ class SlurmHandle:
     def describe(self) -> str:
         return f"Slurm job {self.job_id}"
 
+    def lingering(self) -> bool:
+        return False  # inside the job, on a node: Slurm ends the job when the shim gives up
+
     def _cancel(self, *, hard: bool, kill_now: bool = False) -> None:
         try:
             slurm.cancel(self.job_id, hard=hard, kill_now=kill_now)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
 from tests.conftest import drop
@@ -93,3 +95,79 @@ def test_full_state_disk_keeps_control_and_recovers(chaos):
         kill_all(trainings(chaos.work) + shims(state))
         time.sleep(0.2)
         subprocess.run(["umount", "-l", str(state)], check=False)
+
+
+def test_a_success_is_never_run_again_because_its_exit_record_could_not_be_written(chaos):
+    """Issue 18 case 3: three jobs exit 0 while the state folder (a small tmpfs) is full. Their
+    shims must still record the exit (space reserved at launch, or lingering until there is room):
+    each job succeeds with exactly one attempt, none is run a second time."""
+    state = chaos.state
+    state.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(state)], check=False,
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs here (root is needed): {res.stderr.strip()}")
+    outs = [chaos.out(f"job{i}") for i in range(3)]
+    try:
+        d = chaos.start(max_parallel=3, vram_release_timeout=0)
+        for i, out in enumerate(outs):
+            drop(chaos.spool, f"j{i}.yaml", exclusive_job(chaos.work, out, "--steps=40", "--interval=0.1",
+                                                          "--tolerate-write-errors", name=f"j{i}", gpus=[i],
+                                                          max_attempts=5))
+        chaos.rec.wait(lambda: all((o / "starts").exists() for o in outs), 60, "three trainings running", d)
+        assert fill(state) > 0
+        chaos.rec.wait(lambda: all((o / "DONE").exists() for o in outs) and not trainings(chaos.work), 60,
+                       "three trainings exited 0 on the full disk", d)
+        time.sleep(1.0)  # the shims try to write their exit records now
+        (state / "filler").unlink()
+        chaos.rec.wait(lambda: all(chaos.rec.state(j) in TERMINAL for j in (1, 2, 3)), 60, "all three judged", d)
+        for j, out in zip((1, 2, 3), outs):
+            why = f"\n{explain(chaos.rec, j)}"
+            assert chaos.rec.state(j) == "succeeded", why
+            assert len(chaos.rec.attempts(j)) == 1, "a finished training was run again" + why
+            assert len((out / "starts").read_text().splitlines()) == 1, why
+    finally:
+        if chaos.daemon is not None and chaos.daemon.proc.poll() is None:
+            chaos.daemon.kill9()
+        from .harness import kill_all, shims
+
+        kill_all(trainings(chaos.work) + shims(state))
+        time.sleep(0.2)
+        subprocess.run(["umount", "-l", str(state)], check=False)
+
+
+def test_the_shim_waits_for_room_to_write_the_exit_record_and_says_so(tmp_path):
+    """No room even at launch (nothing could be reserved): the shim outlives its command, renamed
+    so the daemon can tell (the local handle's `lingering`), and writes the record once there is
+    room again; a stop never kills it meanwhile."""
+    from supervisor.core.paths import AttemptPaths
+    from supervisor.run import proctree
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs here (root is needed): {res.stderr.strip()}")
+    try:
+        paths = AttemptPaths(disk / "attempt-1")
+        paths.root.mkdir()
+        paths.log.touch()
+        proctree.write_launch(paths, argv=["true"], cwd=tmp_path, env={"PATH": os.environ["PATH"]})
+        fill(disk)  # after launch.json, before the shim starts: it cannot reserve anything
+        shim = subprocess.Popen([sys.executable, "-m", "supervisor.run.shim", str(paths.launch)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "PYTHONPATH": proctree.package_root()})
+        h = proctree.Handle(shim.pid, psutil.Process(shim.pid).create_time(), shim)
+        deadline = time.monotonic() + 20
+        while not h.lingering() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert h.lingering() and h.alive() and not paths.exit_record.exists()
+        assert not h.force_stop(overdue_s=60.0) and h.alive(), "a stop must not kill the verdict's holder"
+        (disk / "filler").unlink()
+        deadline = time.monotonic() + 60
+        while h.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not h.alive()
+        assert proctree.read_exit(paths)["returncode"] == 0
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
