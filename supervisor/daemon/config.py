@@ -136,6 +136,8 @@ class DaemonConfig(BaseModel):
     metrics: MetricsSpec | None = None       # `metrics: {}` serves 127.0.0.1:9839
     on_restart: str = "adopt"
     cgroups: str = "auto"
+    # Where no cgroup can be made: a PID namespace per attempt as its owner (root only).
+    pid_namespace: str = "auto"
     # An attempt's log past this size keeps its head and its latest part (see shim.py).
     max_log_bytes: int = Field(default=1 << 30, ge=1 << 20)
     # Attempts in a row cut short by a supervisor crash before the job is failed (a job that
@@ -199,7 +201,7 @@ class DaemonConfig(BaseModel):
             raise ValueError("must be auto, amd, nvidia or unknown")
         return v
 
-    @field_validator("cgroups")
+    @field_validator("cgroups", "pid_namespace")
     @classmethod
     def _cg(cls, v: str) -> str:
         if v not in ("auto", "off"):

@@ -27,6 +27,7 @@ at start-up which mechanism it has.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -153,11 +154,16 @@ class Owner:
     kind: str | None = None
     known_file: Path | None = None  # pid -> start time of every process seen, kept for a restarted daemon
     known: dict[int, float] = field(default_factory=dict)
+    # Without a cgroup: the attempt's own PID namespace (its init is the shim), named in this file
+    # by the shim as `pid:[inode]`. Every process in it is the attempt's, whatever it did to its
+    # environment, session or parent, and the kernel kills them all when the shim dies.
+    pidns_file: Path | None = None
+    _pidns: str | None = None
 
     @classmethod
     def for_attempt(cls, support: OwnerSupport | None, tag: str, known_file: Path | None,
-                    *, create: bool) -> Owner:
-        owner = cls(tag=tag, known_file=known_file)
+                    *, create: bool, pidns_file: Path | None = None) -> Owner:
+        owner = cls(tag=tag, known_file=known_file, pidns_file=pidns_file if support is None else None)
         if known_file is not None:
             try:
                 owner.known = {int(k): float(v) for k, v in json.loads(known_file.read_text()).items()}
@@ -177,7 +183,15 @@ class Owner:
 
     @property
     def mechanism(self) -> str:
-        return self.kind or "process-tree"
+        return self.kind or ("pid-namespace" if self.pidns_file is not None else "process-tree")
+
+    def pidns(self) -> str | None:
+        if self._pidns is None and self.pidns_file is not None:
+            try:
+                self._pidns = self.pidns_file.read_text().strip() or None
+            except OSError:
+                pass
+        return self._pidns
 
     # --- membership ------------------------------------------------------------------
     def remember(self, procs: list[psutil.Process]) -> None:
@@ -220,6 +234,10 @@ class Owner:
         if scan:
             for pid in marked_pids(self.tag):
                 _add(found, pid)
+            ns = self.pidns()
+            if ns is not None:
+                for pid in namespace_pids(ns):
+                    _add(found, pid)
         return list(found.values())
 
     def empty(self) -> bool:
@@ -298,3 +316,37 @@ def marked_pids(tag: str) -> list[int]:
         if needle in env:
             out.append(int(entry))
     return out
+
+
+def namespace_pids(ns: str) -> list[int]:
+    """Processes in the PID namespace named `ns` (`pid:[inode]`, as /proc/PID/ns/pid reads)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") == ns:
+                out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+CLONE_NEWPID = 0x20000000
+
+
+def pid_namespaces_available() -> bool:
+    """Whether this process may give each attempt a PID namespace (root, or CAP_SYS_ADMIN): tried
+    for real in a short-lived child."""
+    try:
+        pid = os.fork()
+    except OSError:
+        return False
+    if pid == 0:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            os._exit(0 if libc.unshare(CLONE_NEWPID) == 0 else 1)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0

@@ -32,7 +32,7 @@ from supervisor.core.paths import AttemptPaths
 from supervisor.run.fsutil import atomic_write_json
 from supervisor.run.limits import JobCgroup
 from supervisor.run.ownership import Owner
-from supervisor.run.shim import LINGER_COMM
+from supervisor.run.shim import INIT_COMM, LINGER_COMM
 
 SHIM_GRACE_S = 10.0  # after its job is gone, how long the shim may take to reap and write exit.json
 
@@ -193,6 +193,9 @@ def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[s
         "cgroup_procs": str(cgroup.procs_file) if cgroup else None,
         "owner_procs": str(owner.procs_file) if owner is not None and owner.procs_file else None,
         "max_log_bytes": max_log_bytes,
+        # No cgroup: the shim makes the attempt a PID namespace of its own (see ownership.Owner).
+        "pid_namespace": owner is not None and owner.pidns_file is not None,
+        "pidns_file": str(owner.pidns_file) if owner is not None and owner.pidns_file else None,
     }
     atomic_write_json(paths.launch, spec, mode=0o600)  # the environment may hold tokens
     return paths.launch
@@ -272,8 +275,8 @@ def read_exit(paths: AttemptPaths) -> dict | None:
 def find_shim_by_launch_file(launch_file: Path) -> psutil.Process | None:
     """Fallback identity when a crash hit between launch and recording the pid."""
     target = str(launch_file)
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "name"]):
         cmd = p.info.get("cmdline") or []
-        if "supervisor.run.shim" in cmd and target in cmd:
-            return p
+        if "supervisor.run.shim" in cmd and target in cmd and p.info.get("name") != INIT_COMM:
+            return p  # the outer shim, not the init of the attempt's PID namespace
     return None

@@ -41,7 +41,11 @@ from pathlib import Path
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NAME = 15
+PR_SET_PDEATHSIG = 1
+CLONE_NEWPID = 0x20000000
+IN_PID_NAMESPACE = False  # this shim is the init of the attempt's own PID namespace
 EXIT_RESERVE_BYTES = 64 << 10
+INIT_COMM = "oomsv-init"  # the shim as PID 1 of the attempt's own PID namespace
 LINGER_COMM = "oomsv-exitwait"  # the shim's name while it waits for room to write the exit record
 STRAGGLER_GRACE_S = 5.0
 
@@ -54,9 +58,17 @@ def _become_subreaper() -> None:
         pass
 
 
+def _self_pid() -> int:
+    """Our pid as /proc shows it (the host's numbering, also inside our own PID namespace)."""
+    try:
+        return int(os.readlink("/proc/self"))
+    except (OSError, ValueError):
+        return os.getpid()
+
+
 def _descendants() -> list[int]:
-    """Pids whose parent chain leads to us (via /proc; stdlib only)."""
-    me = os.getpid()
+    """Pids (as /proc numbers them) whose parent chain leads to us (via /proc; stdlib only)."""
+    me = _self_pid()
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -76,12 +88,93 @@ def _descendants() -> list[int]:
     return out
 
 
+def _local_pid(proc_pid: int) -> int:
+    """A /proc pid as our own PID namespace numbers it (what kill() takes from us)."""
+    if not IN_PID_NAMESPACE:
+        return proc_pid
+    try:
+        with open(f"/proc/{proc_pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
+def _proc_pid_of(local: int) -> int:
+    """Our child `local` (our namespace's number) as /proc numbers it: the kernel's log says that."""
+    if not IN_PID_NAMESPACE:
+        return local
+    for pid in _descendants():
+        if _local_pid(pid) == local:
+            return pid
+    return local
+
+
 def _signal_all(sig: int) -> None:
     for pid in _descendants():
+        local = _local_pid(pid)
+        if local <= 0:
+            continue
         try:
-            os.kill(pid, sig)
+            os.kill(local, sig)
         except ProcessLookupError:
             pass
+
+
+def _enter_pid_namespace(pidns_file: str | None) -> int | None:
+    """Run the rest of the shim as PID 1 of a new PID namespace, the attempt's owner where no
+    cgroup could be made: when this init dies, the kernel kills every process in the namespace,
+    a helper that double-forked with an empty environment into its own session included.
+
+    In the process the daemon started (the outer one) this waits for the init, passes signals on
+    and returns its exit code; in the init it returns None. The init dies with the outer process
+    (PR_SET_PDEATHSIG), so `kill -9` of the shim the daemon follows still takes everything."""
+    global IN_PID_NAMESPACE
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWPID) != 0:
+        return None  # not allowed here: the daemon said at start-up what it has instead
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        os.set_blocking(r, False)
+        try:
+            if os.read(r, 1) == b"":
+                os._exit(137)  # the outer shim died before we could ask to die with it
+        except BlockingIOError:
+            pass
+        os.close(r)
+        IN_PID_NAMESPACE = True
+        _set_comm(INIT_COMM)  # so the shim the daemon follows (the outer one) is told apart
+        if pidns_file:
+            try:
+                Path(pidns_file).write_text(os.readlink("/proc/self/ns/pid"))
+            except OSError:
+                pass  # the daemon still has the marker and the pids it sees
+        return None
+    os.close(r)
+
+    def forward(signum, _frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, forward)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            return 1
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
 
 
 def _preexec(spec: dict) -> None:
@@ -246,6 +339,10 @@ def _set_comm(name: str) -> None:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
+    if spec.get("pid_namespace"):
+        outer = _enter_pid_namespace(spec.get("pidns_file"))
+        if outer is not None:
+            return outer
     exit_record = ExitRecord(Path(spec["exit_record"]))
     _become_subreaper()
 
@@ -263,16 +360,38 @@ def main(argv: list[str]) -> int:
     if refused is not None:
         os.write(log_fd, f"oom-supervisor: {refused}; nothing was started\n".encode())
         exit_record.write({"returncode": 126, "signal": None, "launch_error": refused,
-                                "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
+                           "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
         return 126
-    # exec errors come back on a close-on-exec pipe: empty when exec succeeded.
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
-        pid = os.fork()
+        pid, launch_error = _start_command(spec, log_fd)
     except OSError as exc:
         exit_record.write({"returncode": 127, "signal": None, "launch_error": f"fork failed: {exc}",
-                                "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
+                           "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
         return 127
+    command_pid = _proc_pid_of(pid)
+    stop_cap = threading.Event()
+    cap = int(spec.get("max_log_bytes") or 0)
+    if cap > 0:
+        threading.Thread(target=_cap_log, args=(spec["log"], log_fd, cap, stop_cap), daemon=True).start()
+    peak = [0]
+    threading.Thread(target=_sample_peak, args=(peak, stop_cap), daemon=True).start()
+    status = _wait_for(pid)
+    ended = time.time()
+    stop_cap.set()
+    _stop_stragglers()
+    os.close(log_fd)
+    record = _exit_fields(status, launch_error, peak[0])
+    record.update(started_at=started, ended_at=ended, duration_s=round(ended - started, 3), pid=command_pid)
+    exit_record.write(record)
+    code = record["returncode"]
+    return 128 + (-code) if isinstance(code, int) and code < 0 else (code if code is not None else 1)
+
+
+def _start_command(spec: dict, log_fd: int) -> tuple[int, bytes]:
+    """Fork and exec the attempt's argv with its log as stdout/stderr; (pid, exec error text).
+    Exec errors come back on a close-on-exec pipe: empty when exec succeeded."""
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
     if pid == 0:  # child
         try:
             os.close(err_r)
@@ -301,27 +420,24 @@ def main(argv: list[str]) -> int:
             break
         launch_error += part
     os.close(err_r)
-    stop_cap = threading.Event()
-    cap = int(spec.get("max_log_bytes") or 0)
-    if cap > 0:
-        threading.Thread(target=_cap_log, args=(spec["log"], log_fd, cap, stop_cap), daemon=True).start()
-    peak = [0]
-    threading.Thread(target=_sample_peak, args=(peak, stop_cap), daemon=True).start()
+    return pid, launch_error
 
-    status = None
-    while status is None:
+
+def _wait_for(pid: int) -> int | None:
+    """Reap every child until the main command ends; its wait status (None: lost)."""
+    while True:
         try:
             wpid, wstatus = os.waitpid(-1, 0)
         except InterruptedError:
             continue
         except ChildProcessError:
-            break
+            return None
         if wpid == pid:
-            status = wstatus
-    ended = time.time()
-    stop_cap.set()
+            return wstatus
 
-    # The main command is gone: stop whatever it left behind, then reap it all.
+
+def _stop_stragglers() -> None:
+    """The main command is gone: stop whatever it left behind, then reap it all."""
     deadline = time.monotonic() + STRAGGLER_GRACE_S
     if _descendants():
         _signal_all(signal.SIGTERM)
@@ -338,6 +454,8 @@ def main(argv: list[str]) -> int:
         except InterruptedError:
             continue
 
+
+def _exit_fields(status: int | None, launch_error: bytes, peak: int) -> dict:
     if status is None:
         record = {"returncode": None, "signal": None, "error": "lost track of the main process"}
     else:
@@ -345,13 +463,9 @@ def main(argv: list[str]) -> int:
         record = {"returncode": code, "signal": _signal_name(-code) if code < 0 else None}
     if launch_error:
         record["launch_error"] = launch_error.decode("utf-8", "replace")
-    if peak[0]:
-        record["peak_rss_bytes"] = peak[0]
-    os.close(log_fd)
-    record.update(started_at=started, ended_at=ended, duration_s=round(ended - started, 3), pid=pid)
-    exit_record.write(record)
-    code = record["returncode"]
-    return 128 + (-code) if isinstance(code, int) and code < 0 else (code if code is not None else 1)
+    if peak:
+        record["peak_rss_bytes"] = peak
+    return record
 
 
 def _reap_nohang() -> None:

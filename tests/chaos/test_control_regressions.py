@@ -44,13 +44,18 @@ def _in_log(chaos, text: str, job: int = 1, attempt: int = 1) -> bool:
 
 
 # --- a. daemon and shim killed while the training lives --------------------------------------------
-@pytest.mark.parametrize("memory_cgroup", [False, True], ids=["no-cgroup", "memory-cgroup"])
-def test_restart_never_starts_attempt_2_beside_a_live_attempt_1(chaos, memory_cgroup):
-    """kill -9 the daemon, then the attempt's shim; the training lives on, reparented.
+@pytest.mark.parametrize("owner", ["marker", "memory-cgroup", "pid-namespace"])
+def test_restart_never_starts_attempt_2_beside_a_live_attempt_1(chaos, owner):
+    """kill -9 the daemon, then the attempt's shim; the training lives on, reparented (with a
+    marker or a cgroup as its owner; in a PID namespace the kernel ends it with its shim).
     The restarted daemon must not start attempt 2 while it lives (TWICE stays absent)."""
-    if memory_cgroup and (os.geteuid() != 0 or detect_cgroup() is None):
-        pytest.skip("needs root and a writable memory cgroup")
-    d = chaos.start(cgroups="auto") if memory_cgroup else chaos.start()
+    memory_cgroup = owner == "memory-cgroup"
+    if owner != "marker" and os.geteuid() != 0:
+        pytest.fail("needs root, as CI runs")
+    if memory_cgroup and detect_cgroup() is None:
+        pytest.skip("no writable memory cgroup on this box")
+    d = (chaos.start(cgroups="auto") if memory_cgroup else
+         chaos.start(pid_namespace="off") if owner == "marker" else chaos.start())
     out = chaos.out("a")
     sup = {"host_memory_limit": "2GiB"} if memory_cgroup else {}
     drop(chaos.spool, "a.yaml", exclusive_job(chaos.work, out, "--steps=80", "--interval=0.1", name="a", **sup))
@@ -60,7 +65,10 @@ def test_restart_never_starts_attempt_2_beside_a_live_attempt_1(chaos, memory_cg
     d.kill9()
     kill_all(shims(chaos.state))
     time.sleep(0.3)
-    assert alive(training), "the training outlives its shim"
+    if owner == "pid-namespace":
+        assert not alive(training), "the kernel ends the attempt's namespace with its shim"
+    else:
+        assert alive(training), "the training outlives its shim"
     d = chaos.restart()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -185,8 +185,9 @@ def test_cancel_while_the_daemon_is_down_and_the_attempt_died(daemon_factory, tm
 
 def test_restart_after_the_shim_was_killed_does_not_start_next_to_the_live_training(daemon_factory, tmp_path):
     """Seen: kill -9 of the daemon, then of the shim, while the training lived: on restart the attempt
-    'vanished', and attempt 2 started next to the still-running attempt 1."""
-    d = daemon_factory()
+    'vanished', and attempt 2 started next to the still-running attempt 1. (Without a PID namespace
+    too: the marker and the pids seen must find the orphaned training.)"""
+    d = daemon_factory(pid_namespace="off")
     job_id = add_job(d, tmp_path, fakejob(marker_of(tmp_path), "--steps", "600", "--sleep", "0.1",
                                           "--ignore-term"))
     run_until(d, lambda: job_pids(tmp_path), what="the training to run")
@@ -198,7 +199,7 @@ def test_restart_after_the_shim_was_killed_does_not_start_next_to_the_live_train
     act.handle.reap()
     time.sleep(0.3)
     assert live(training), "the training outlives its shim"
-    d2 = daemon_factory()
+    d2 = daemon_factory(pid_namespace="off")
     d2.recover()
     started_next_to_it = False
     deadline = time.monotonic() + 30
@@ -475,3 +476,53 @@ def test_a_job_that_cannot_be_taken_back_stays_held_and_nothing_starts(daemon_fa
     broken["on"] = False
     run_until(d2, lambda: first in d2.active, what="job 1 taken back")
     assert any(e.kind == "attempt_adopted" for e in d2.store.events(first))
+
+
+ESCAPING_HELPER = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:  # the helper: its own session, its parent gone, an empty environment
+        os.execve(sys.executable, [sys.executable, "-c", "import time\\nwhile True: time.sleep(0.1)", sys.argv[1]], {})
+    os._exit(0)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="a PID namespace needs root (CI runs as root)")
+def test_without_a_cgroup_a_helper_that_escapes_the_marker_dies_with_its_shim(daemon_factory, tmp_path):
+    """Issue 18 case 2: no cgroup can be made (cgroups: off). A helper double-forks with an empty
+    environment into its own session, then the shim is killed: before, nothing found the helper,
+    job 1 was judged and job 2 started while it lived. Now the attempt is a PID namespace whose
+    init is the shim: the kernel kills the helper with it."""
+    d = daemon_factory()
+    assert "PID namespace" in d.runner.backend.describe()
+    token = f"escaped-helper-{tmp_path}"
+    (tmp_path / "work").mkdir(exist_ok=True)
+    (tmp_path / "work" / "helper.py").write_text(ESCAPING_HELPER)
+    first = add_job(d, tmp_path, [sys.executable, "helper.py", token], max_attempts=1)
+    second = add_job(d, tmp_path, [sys.executable, "-c", "print('second')"])
+
+    def helpers():  # the escaped helper only (not the job's main process, which names the token too)
+        return [p.pid for p in psutil.process_iter(["cmdline"])
+                if (p.info["cmdline"] or [])[-2:-1] != ["helper.py"] and token in (p.info["cmdline"] or [])[-1:]]
+
+    run_until(d, lambda: first in d.active, what="job 1 to launch")
+    deadline = time.monotonic() + 30
+    while not helpers() and time.monotonic() < deadline:  # no tick meanwhile: the daemon never saw it
+        time.sleep(0.05)
+    assert helpers(), "the helper did not start"
+    time.sleep(0.3)  # its exec with the empty environment is done
+    os.kill(d.active[first].handle.pid, signal.SIGKILL)  # the shim the daemon follows
+    started_beside = False
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and d.store.job(second).state != JobState.SUCCEEDED:
+        d.tick()
+        if d.store.attempts(second) and helpers():
+            started_beside = True
+        time.sleep(0.05)
+    alive_helpers = helpers()
+    for pid in alive_helpers:
+        os.kill(pid, signal.SIGKILL)
+    assert not started_beside and alive_helpers == [], "job 2 started while job 1's helper lived"
+    assert d.store.job(second).state == JobState.SUCCEEDED

@@ -269,9 +269,11 @@ def test_launch_files_holding_the_environment_are_private(daemon, tmp_path):
         assert (attempt / name).stat().st_mode & 0o077 == 0, name
 
 
-def test_shim_killed_from_outside_leaves_no_orphan_training(daemon, tmp_path):
+def test_shim_killed_from_outside_leaves_no_orphan_training(dirs, tmp_path):
     """Someone kill -9s the shim: its job is reparented to init, and we must still stop it
-    before another attempt could take its GPUs."""
+    before another attempt could take its GPUs (the marker path: no cgroup, no PID namespace)."""
+    state, spool, _ = dirs
+    daemon = DaemonProc(state, spool, write_config(tmp_path / "c.yaml", pid_namespace="off"), tmp_path / "d.log")
     daemon.start()
     drop(daemon.spool, "o.yaml", job(tmp_path, "--steps", "1000", "--sleep", "0.1", "--ignore-term",
                                      max_attempts=1))
@@ -284,6 +286,7 @@ def test_shim_killed_from_outside_leaves_no_orphan_training(daemon, tmp_path):
     daemon.wait_state(1, {"failed", "waiting_retry"}, timeout=30)
     assert no_job_processes(tmp_path)
     assert any(e["kind"] == "orphans_stopped" for e in daemon.show(1)["events"])
+    daemon.stop()
 
 
 def test_a_program_that_survives_its_own_oom_can_opt_out_of_early_teardown(daemon, tmp_path):

@@ -70,11 +70,11 @@ def take_lock(outdir: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
         with open(outdir / "TWICE", "a") as f:
-            f.write(f"{time.time():.3f} pid {os.getpid()} found the lock held by pid {holder}\n")
+            f.write(f"{time.time():.3f} pid {proc_pid()} found the lock held by pid {holder}\n")
         print(f"TWO LIVE INSTANCES: lock held by pid {holder}", flush=True)
         sys.exit(3)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{proc_pid()}\n".encode(), 0)
     return fd
 
 
@@ -91,10 +91,10 @@ def save_checkpoint(outdir: Path, step: int) -> None:
     final = outdir / f"checkpoint-{step}"
     if final.exists():
         return
-    tmp = outdir / f".checkpoint-{step}.tmp-{os.getpid()}"
+    tmp = outdir / f".checkpoint-{step}.tmp-{proc_pid()}"
     tmp.mkdir()
     with open(tmp / "state.json", "w") as f:
-        json.dump({"step": step, "pid": os.getpid(), "ts": time.time()}, f)
+        json.dump({"step": step, "pid": proc_pid(), "ts": time.time()}, f)
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, final)
@@ -116,12 +116,21 @@ def flood(seconds: float) -> None:
         n += 2000
 
 
+def proc_pid() -> int:
+    """Our pid as the host's /proc numbers it (the attempt may run in a PID namespace of its own,
+    where getpid() is small): the tests look processes up from outside."""
+    try:
+        return int(os.readlink("/proc/self"))
+    except (OSError, ValueError):
+        return os.getpid()
+
+
 def grandchild(a: argparse.Namespace) -> None:
     os.setsid()  # leave the attempt's process group and session
     if a.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with open(a.outdir / "grandchild.pid", "w") as f:
-        f.write(str(os.getpid()))
+        f.write(str(proc_pid()))
     end = time.monotonic() + a.escape
     while time.monotonic() < end:
         time.sleep(0.1)
@@ -140,8 +149,8 @@ def main(argv: list[str]) -> int:
     lock_fd = take_lock(a.outdir)
     start = last_checkpoint(a.outdir)
     with open(a.outdir / "starts", "a") as f:
-        f.write(f"{time.time():.3f} pid {os.getpid()} from step {start}\n")
-    print(f"started pid {os.getpid()}, resuming from step {start}", flush=True)
+        f.write(f"{time.time():.3f} pid {proc_pid()} from step {start}\n")
+    print(f"started pid {proc_pid()}, resuming from step {start}", flush=True)
     if a.escape > 0:  # inherits the lock fd: a second instance fails while it lives
         subprocess.Popen([sys.executable, __file__, *argv, "--grandchild"], pass_fds=(lock_fd,),
                          stdin=subprocess.DEVNULL)
@@ -161,7 +170,7 @@ def main(argv: list[str]) -> int:
     time.sleep(a.quiet_tail)
     if a.exit == 0:
         with open(a.outdir / "DONE", "a") as f:
-            f.write(f"{time.time():.3f} pid {os.getpid()}\n")
+            f.write(f"{time.time():.3f} pid {proc_pid()}\n")
     finish(a)
     return a.exit
 

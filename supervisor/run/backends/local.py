@@ -19,7 +19,7 @@ from supervisor.run import proctree
 from supervisor.run.backends.base import Launched, Reservation
 from supervisor.run.gpus import VramSampler, detect_vendor, probe_capacities
 from supervisor.run.limits import CgroupSupport, JobCgroup, detect_cgroup, rlimits_for
-from supervisor.run.ownership import Owner, detect_owner_support
+from supervisor.run.ownership import Owner, detect_owner_support, pid_namespaces_available
 from supervisor.service.logsetup import log
 
 
@@ -35,14 +35,22 @@ class LocalBackend:
         self.state_tag = hashlib.sha256(str(self.state_root).encode()).hexdigest()[:8]
         self.cgroup_support = detect_cgroup() if cfg.cgroups == "auto" else None
         self.owner_support = detect_owner_support(self.state_tag) if cfg.cgroups == "auto" else None
+        # Where no cgroup can be made, each attempt gets a PID namespace of its own (root only).
+        self.pid_namespaces = (self.owner_support is None and cfg.pid_namespace == "auto"
+                               and pid_namespaces_available())
         self.gpu_vendor = detect_vendor() if cfg.gpu_vendor == "auto" else cfg.gpu_vendor
         self._gpu_caps: dict[int, int] | None = None  # probed once, when first needed
 
     def describe(self) -> str:
         if self.owner_support is not None:
             return self.owner_support.describe()
-        return ("process tree + attempt marker (no cgroup could be made here: run as root or with a "
-                "delegated cgroup for cgroup ownership)")
+        if self.pid_namespaces:
+            return ("a PID namespace per attempt (no cgroup could be made here): the kernel kills every process "
+                    "of an attempt when its shim dies, escaped helpers included; not seen without a cgroup: "
+                    "memory per attempt is a sampled sum, and per-attempt kernel OOM counters do not exist")
+        return ("process tree + attempt marker + the pids seen (no cgroup and no PID namespace could be made "
+                "here: run as root or with a delegated cgroup); NOT seen: a process that leaves the tree, "
+                "clears its environment and outlives a killed shim")
 
     def attempt_tag(self, job_id: int, number: int) -> str:
         """Unique per state folder: two daemons on one box must never share a job's cgroup."""
@@ -65,7 +73,8 @@ class LocalBackend:
 
     # --- one attempt --------------------------------------------------------------------------------
     def reserve(self, tag: str, paths: AttemptPaths, memory_limit: int | None) -> Reservation:
-        owner = Owner.for_attempt(self.owner_support, tag, paths.root / "procs.json", create=True)
+        owner = Owner.for_attempt(self.owner_support, tag, paths.root / "procs.json", create=True,
+                                  pidns_file=paths.root / "pidns" if self.pid_namespaces else None)
         res = Reservation(tag=tag, owner=owner)
         if not memory_limit:
             return res
@@ -103,7 +112,9 @@ class LocalBackend:
         """The attempt of `row` after a restart, from the record alone (never the job file): its
         owner and memory cgroup found by name, its shim by pid + start time (or by its launch file,
         when the crash came before the pid was recorded)."""
-        owner = Owner.for_attempt(self.owner_support, tag, paths.root / "procs.json", create=False)
+        pidns = paths.root / "pidns"
+        owner = Owner.for_attempt(self.owner_support, tag, paths.root / "procs.json", create=False,
+                                  pidns_file=pidns if pidns.exists() else None)
         cg = None
         if owner.cgroup is not None and _limited(owner.cgroup / "memory.max"):
             cg = JobCgroup(owner.cgroup, 2)
