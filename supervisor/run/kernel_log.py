@@ -27,7 +27,10 @@ from supervisor.judge.diagnosis.kernel import KERNEL_OOM_RE, RELEVANT_RE
 
 MAX_BYTES = 8 << 20  # of kernel log read at most
 MAX_LINES = 200  # relevant lines kept (the newest)
-TIMEOUT_S = 3.0  # per subprocess
+TIMEOUT_S = 2.0  # per subprocess
+# Sources that could not be read once are not tried again by this process (permissions do not come
+# and go): a box where only journalctl works pays the failed dmesg once, not at every verdict.
+_UNREADABLE: set[str] = set()
 SLACK_S = 5.0  # clocks and buffering: the window is widened by this on both sides
 _ISO_RE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:[+-]\d\d:?\d\d|Z)?)\s+(.*)$")
 
@@ -53,8 +56,11 @@ def read_window(since: float, until: float | None = None, *, pids: Iterable[int]
     lo, hi = since - SLACK_S, until + SLACK_S
     wanted = {int(p) for p in pids if p}
     for source, reader in (("/dev/kmsg", _kmsg), ("dmesg", _dmesg), ("journalctl", _journalctl)):
+        if source in _UNREADABLE:
+            continue
         records = reader(lo, hi)
         if records is None:
+            _UNREADABLE.add(source)
             continue
         kept: deque[str] = deque(maxlen=MAX_LINES)
         for line in records:
