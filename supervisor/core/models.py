@@ -104,7 +104,6 @@ class HostEvidence:
     # Whether the kernel log could be read for that window (None: not tried). A kernel log that was
     # read and shows no OOM kill is evidence too; one that could not be read is said, not assumed.
     kernel_log_read: bool | None = None
-    kernel_oom_lines: tuple[str, ...] = ()  # the old name, read like kernel_lines until the daemon fills those
     min_available_bytes: int | None = None
     peak_rss_bytes: int | None = None
     memory_limit_bytes: int | None = None

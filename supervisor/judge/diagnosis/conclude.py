@@ -136,7 +136,7 @@ def _memory_corroboration(host: HostEvidence | None) -> tuple[list[str], list[Ev
         words.append("the supervisor stopped it when its processes' memory went over the job's limit")
     if host.scheduler_state == "OUT_OF_MEMORY":
         words.append("the scheduler reports OUT_OF_MEMORY")
-    for line in (*host.kernel_lines, *host.kernel_oom_lines):
+    for line in host.kernel_lines:
         if KERNEL_OOM_RE.search(line):
             ev.append(Evidence(line_no=0, text=line.strip()[:2000], rule="host:kernel_oom"))
     if ev:
@@ -158,9 +158,9 @@ def _measured(host: HostEvidence | None) -> bool:
 
 def _kernel_root(host: HostEvidence | None, state: ScanState) -> _Root | None:
     """A device fault the kernel reported for the attempt's window (Xid, fallen off the bus, AER)."""
-    if host is None or not (host.kernel_lines or host.kernel_oom_lines):
+    if host is None or not host.kernel_lines:
         return None
-    faults = kernel.device_faults((*host.kernel_lines, *host.kernel_oom_lines))
+    faults = kernel.device_faults(host.kernel_lines)
     f = kernel.strongest(faults)
     if f is None:
         return None
