@@ -570,17 +570,16 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
             return demoted
 
     if stopped_by == "hang":
-        if root is not None and root.hit.tier in (ROOT, COMM):
-            return _diagnosis(root, state, " The supervisor stopped it after no progress.")
         oom = [f for f in active if f.category in (Category.GPU_OOM, Category.HOST_OOM)]
+        if root is not None and root.hit.tier in (ROOT, COMM) and root.hit.category not in OOM_CATEGORIES:
+            return _diagnosis(root, state, " The supervisor stopped it after no progress.")
+        if root is not None and root.hit.category in OOM_CATEGORIES:
+            return _diagnosis(root, state, _hang_after_oom(root.rank, root.line_no))
         if oom:
             # One rank ran out of memory and the others wait for it in a collective: the OOM is the
             # hang's likely cause, and a retry of the same configuration would hang the same way.
             f = max(oom, key=lambda f: (f.tier == ROOT, f.line_no, f.seq))
-            on = f" on rank {f.rank}" if f.rank is not None else ""
-            return _diagnosis(_root_of(f), state, f" The supervisor stopped it after no progress: a hang after an"
-                              f" out-of-memory error{on} at line {f.line_no}, its likely cause (the other ranks"
-                              " wait for it in a collective); the OOM is what to remedy.", strength="hint")
+            return _diagnosis(_root_of(f), state, _hang_after_oom(f.rank, f.line_no), strength="hint")
         comm = _pick([f for f in active if not f.structural], COMM)
         if comm is not None:  # a watchdog's own log line says why nothing moved (a retry either way)
             return _diagnosis(_root_of(comm), state, " The supervisor stopped it after no progress (from a"
@@ -640,6 +639,15 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
         return _plain(Category.UNKNOWN, "no_evidence", "No failure evidence in the log.", state, _tail_evidence(state))
     return _plain(Category.UNKNOWN, "no_evidence",
                   f"Exited with status {rc}; the log shows no recognised error.", state, _tail_evidence(state))
+
+
+OOM_CATEGORIES = (Category.GPU_OOM, Category.HOST_OOM)
+
+
+def _hang_after_oom(rank: int | None, line_no: int) -> str:
+    on = f" on rank {rank}" if rank is not None else ""
+    return (f" The supervisor stopped it after no progress: a hang after an OOM{on} at line {line_no}, its"
+            " likely cause (the other ranks wait for it in a collective); the OOM is what to remedy.")
 
 
 def _decisive(active: list[Finding], signal: str | None) -> list[Finding]:

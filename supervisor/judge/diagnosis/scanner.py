@@ -897,7 +897,7 @@ class LogScanner:
             chain = self._chain.get(seg.rank, self._chain.get(None))
         f = Finding(hit=hit, line_no=line_no, text=text, rank=rank, phase=phase, seq=self._seq, notes=notes,
                     structural=structural, chain=chain, form=form)
-        if hit.category in (Category.GPU_OOM, Category.HOST_OOM) or form in ("cxx", "runtime"):
+        if hit.category in (Category.GPU_OOM, Category.HOST_OOM) or form in ("cut", "cxx", "runtime"):
             # Watched: training that advances afterwards shows it was handled (or only printed).
             f.step_before = self._step_before(buf, ls)
             if len(self._watch) >= MAX_WATCH:
