@@ -5,26 +5,32 @@ Root-cause order (documented here, tested in tests/diagnosis):
      returncode 0 is success (an OOM the program retried is mentioned).
   2. The command never started (launch_error, or exit 127 + the shim's line): config_error.
      A scheduler's TIMEOUT/PREEMPTED/CANCELLED (unknown) or NODE_FAIL (environment) decides.
-  3. Among the log's STRUCTURAL findings (an exception ending a traceback; a runtime's fault
-     line when the process then aborted):
+  3. Among the log's STRUCTURAL findings (an exception ending a traceback, cut or not; a C++
+     terminate/what() block; a runtime's abort line; a fault line when the process then aborted;
+     the final error of the log, teardown.py):
        tier 1 ROOT  gpu_oom, host_oom, device_fault, disk_full, config_error, numeric, environment
        tier 2 COMM  NCCL/RCCL watchdog timeouts and errors, rendezvous/socket errors
        tier 3 CRASH other Python exceptions, segfault, abort, device-side assert
-     per rank, the exception that ends its LAST traceback (a chained or later exception
-     ended that process); across ranks the EARLIEST, tier 1 first: an illegal memory access
+     per rank, the exception that ends its LAST traceback (within a chain of tracebacks, the
+     FIRST: the cause, not what its handler raised); across ranks the EARLIEST, tier 1 first: an illegal memory access
      that trips the NCCL watchdog is a device_fault, an OOM on rank 3 that makes rank 0 time
      out is a gpu_oom, whatever order the ranks' stderr reached the log in. A tier-3
      exception right after a library's OOM message (same rank, <= 64 lines) is that OOM.
-     Disk full must be confirmed by statvfs when it was measured.
+     Disk full must be confirmed by statvfs when it was measured. A device fault the kernel
+     reported for the window (kernel.py) is tier 1 without a line; fp16 loss-scale collapse and a
+     NaN tail of logged losses are tier 1 at their last line.
   4. A SIGKILL (exit -9/137, torchrun `exitcode : -9`, `Signal 9 (SIGKILL)`)
      is host_oom only when memory evidence corroborates it: the cgroup's
      oom_kill counter > 0, a kernel OOM line (HostEvidence), min_available_bytes
      <= max(64 MiB, 2% of the memory limit), the supervisor's own memory-limit stop, or
-     the scheduler's OUT_OF_MEMORY. Otherwise it is crash_other/sigkill_unexplained.
+     the scheduler's OUT_OF_MEMORY. Otherwise it is crash_other/sigkill_unexplained, unless
+     nothing was measured and the log itself reports the kill (shell, launcher): then a likely
+     host OOM, strength "hint", said as not confirmed.
      A kill the supervisor made itself (stopped_by fatal_signal/hang) is never
      read as a kill: the log decides.
-  5. `stopped_by == "hang"`: hang, unless the log shows a tier 1-2 cause (a watchdog's own
-     line, a hint, refines it to comm_failure).
+  5. `stopped_by == "hang"`: hang, unless the log shows a tier 1-2 cause; an OOM seen in the
+     attempt (structural or a hint) is the hang's likely cause ("a hang after an OOM on rank N at
+     line L"); a watchdog's own line, a hint, refines it to comm_failure.
   6. Otherwise exit-signal facts (segfault, abort, SIGTERM), then HINTS (free text outside
      a traceback: strength "hint"; a terminal category becomes crash_other), then unknown.
 
