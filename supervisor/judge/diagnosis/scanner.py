@@ -776,7 +776,7 @@ class LogScanner:
             return
         for rx, phase in CONTEXT_MARKERS:
             if rx.search(t):
-                if not (phase is Phase.TRAIN_STEP and self._context and self._context[0] is Phase.RESUME
+                if not (phase is Phase.TRAIN_STEP and self._context and self._context[0] is Phase.CHECKPOINT_LOAD
                         and self._context[1] > self._bar_line_before(buf, ls, line_no)):
                     self._context = (phase, line_no)
                     m = rules.CHECKPOINT_STEP_RE.search(t) if phase is Phase.CHECKPOINT_SAVE else None
