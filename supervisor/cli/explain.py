@@ -16,7 +16,7 @@ from typing import TextIO
 
 from supervisor.core.models import Diagnosis, ExitRecord, HostEvidence
 from supervisor.judge.diagnosis import diagnose_file
-from supervisor.judge.diagnosis.rules import KERNEL_OOM_RE
+from supervisor.judge.diagnosis.kernel import RELEVANT_RE
 from supervisor.judge.diagnosis.sizes import human, parse_size
 
 SCHEDULER_STATES = ("OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "CANCELLED", "FAILED", "COMPLETED",
@@ -30,7 +30,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the attempt's exit status (negative = killed by that signal; 137 = SIGKILL)")
     parser.add_argument("--signal", default=None, metavar="NAME", help="signal that ended it (e.g. SIGKILL, KILL, 9)")
     parser.add_argument("--kernel-log", default=None, metavar="FILE",
-                        help="a kernel log excerpt (dmesg / journalctl -k) from around the failure")
+                        help="a kernel log excerpt (dmesg / journalctl -k) from around the failure: OOM kills,"
+                             " GPU driver faults (NVRM Xid, amdgpu), PCIe AER errors")
     parser.add_argument("--cgroup-oom-kills", type=int, default=None, metavar="N",
                         help="the job cgroup's oom_kill counter (memory.events)")
     parser.add_argument("--slurm-state", default=None, metavar="STATE",
@@ -119,15 +120,15 @@ def _host_evidence(args: argparse.Namespace) -> tuple[HostEvidence | None, str |
             return None, f"--kernel-log {klog} is a directory, not a file"
         except PermissionError:
             return None, f"cannot read the kernel log {klog}: permission denied"
-        lines = tuple(line for line in text.splitlines() if KERNEL_OOM_RE.search(line))
+        lines = tuple(line for line in text.splitlines() if RELEVANT_RE.search(line))
     if kills is None and state is None and not free and klog is None:
         return None, None
-    return HostEvidence(cgroup_oom_kills=kills, kernel_oom_lines=lines, free_bytes=free,
-                        scheduler_state=state), None
+    return HostEvidence(cgroup_oom_kills=kills, kernel_lines=lines, kernel_log_read=True if klog else None,
+                        free_bytes=free, scheduler_state=state), None
 
 
 def _fmt_number(key: str, value: object) -> str:
-    if isinstance(value, int) and key not in ("device_index", "timeout_ms"):
+    if isinstance(value, int) and key not in ("device_index", "timeout_ms", "held_by_others_inferred", "scanner_errors"):
         return f"{human(value)} ({value:,} bytes)"
     return str(value)
 

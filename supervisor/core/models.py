@@ -39,8 +39,16 @@ class Phase(StrEnum):
     TRAIN_STEP = "train_step"
     EVALUATION = "evaluation"
     CHECKPOINT_SAVE = "checkpoint_save"
-    RESUME = "resume"
+    # A checkpoint being loaded to resume (weights, optimizer state, RNG): what helps here is
+    # load-time memory (allocator settings, optimizer state through host memory, ZeRO offload),
+    # not a smaller micro-batch. Records written before this name said "resume".
+    CHECKPOINT_LOAD = "checkpoint_load"
+    RESUME = "checkpoint_load"  # the old name, an alias of the same member
     UNKNOWN = "unknown"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Phase | None:
+        return cls.CHECKPOINT_LOAD if value == "resume" else None
 
 
 @dataclass(frozen=True)
@@ -87,10 +95,15 @@ class ExitRecord:
 
 @dataclass(frozen=True)
 class HostEvidence:
-    """Memory facts gathered at the edge (cgroup, kernel log, samples)."""
+    """Facts gathered at the edge (cgroup, kernel log, samples, statvfs, the scheduler)."""
 
     cgroup_oom_kills: int | None = None
-    kernel_oom_lines: tuple[str, ...] = ()
+    # Kernel log lines from the attempt's time window that may explain its end: OOM-killer lines,
+    # GPU driver faults (NVRM Xid, amdgpu), PCIe AER errors. The diagnosis decides what they mean.
+    kernel_lines: tuple[str, ...] = ()
+    # Whether the kernel log could be read for that window (None: not tried). A kernel log that was
+    # read and shows no OOM kill is evidence too; one that could not be read is said, not assumed.
+    kernel_log_read: bool | None = None
     min_available_bytes: int | None = None
     peak_rss_bytes: int | None = None
     memory_limit_bytes: int | None = None
@@ -106,7 +119,7 @@ class HostEvidence:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["kernel_oom_lines"] = list(self.kernel_oom_lines)
+        d["kernel_lines"] = list(self.kernel_lines)
         d["free_bytes"] = dict(self.free_bytes)
         return d
 

@@ -29,10 +29,9 @@ from supervisor.daemon.facts import Facts
 from supervisor.daemon.follow import Active
 from supervisor.daemon.journal import Journal
 from supervisor.judge.kinds import kind_of
-from supervisor.run import proctree
+from supervisor.run import kernel_log, proctree
 from supervisor.run.diskfull import free_bytes
 from supervisor.run.fsutil import atomic_write_json, tail_text
-from supervisor.run.limits import kernel_oom_lines
 from supervisor.service.logsetup import log
 
 INTERRUPTING = ("shutdown", "vanished", "cancelled_outside")
@@ -242,11 +241,11 @@ class Verdicts:
         if cg is not None:
             kills = cg.oom_kills()
             peak = max(peak, cg.peak_bytes() or 0)
-        kernel = ()
-        if raw.get("signal") == "SIGKILL" or raw.get("returncode") in (137, -9) or kills:
-            kernel = kernel_oom_lines(pids, since_s=raw.get("started_at") or 0)
+        # Once, at verdict time, bounded: OOM kills of this attempt's processes or cgroup, GPU faults.
+        klog = kernel_log.read_window(raw.get("started_at") or 0, raw.get("ended_at"), pids=pids,
+                                      cgroup=cg.path.name if cg is not None else None)
         mechanism = cg.mechanism if cg else ("rlimit-data+sampled-sum" if act.memory_limit else None)
-        host = HostEvidence(cgroup_oom_kills=kills, kernel_oom_lines=kernel,
+        host = HostEvidence(cgroup_oom_kills=kills, kernel_lines=klog.lines, kernel_log_read=klog.read,
                             min_available_bytes=act.min_available, peak_rss_bytes=peak or None,
                             memory_limit_bytes=act.memory_limit, limit_mechanism=mechanism,
                             limit_enforced_kill=act.limit_killed,

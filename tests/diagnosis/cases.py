@@ -13,7 +13,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
 
 
 def fixture_cases() -> list[Path]:
-    return sorted(FIXTURES.glob("*.expect.yaml"))
+    """Every labeled log: ours (tests/fixtures/logs) and the real ones copied from public issues (real/)."""
+    return sorted(FIXTURES.glob("*.expect.yaml")) + sorted((FIXTURES / "real").glob("*.expect.yaml"))
 
 
 def load_case(sidecar: Path) -> tuple[bytes, dict[str, Any], ExitRecord | None, HostEvidence | None]:
@@ -23,7 +24,13 @@ def load_case(sidecar: Path) -> tuple[bytes, dict[str, Any], ExitRecord | None, 
     host = None
     if side.get("host"):
         h = dict(side["host"])
-        if "kernel_oom_lines" in h:
-            h["kernel_oom_lines"] = tuple(h["kernel_oom_lines"])
+        for key in ("kernel_lines", "kernel_oom_lines"):  # the old name of the field
+            if key in h:
+                h["kernel_lines"] = tuple(h.pop(key))
         host = HostEvidence(**h)
+    if side.get("kernel_log"):  # a kernel log excerpt beside the log, as `explain --kernel-log` reads it
+        text = (sidecar.parent / side["kernel_log"]).read_text(errors="replace")
+        host = HostEvidence(**{**(host.to_dict() if host else {}),
+                               "kernel_lines": tuple(host.kernel_lines if host else ()) + tuple(text.splitlines()),
+                               "kernel_log_read": True})
     return log, side, exit, host

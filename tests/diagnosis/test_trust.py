@@ -33,6 +33,8 @@ HEALTHY = (b"[INFO|trainer.py:2519] 2026-11-28 23:12:10,512 >> ***** Running tra
            b"  Total optimization steps = 100\n"
            + b"".join(b"\r %d%%|#   | %d/100 [00:10<00:10,  5.00it/s]" % (i, i) for i in range(1, 40)) + b"\n"
            b"{'loss': 1.2, 'grad_norm': 0.3, 'learning_rate': 1e-05, 'epoch': 0.1}\n")
+# Training that goes on after a line: the bar advances past where it was.
+GOES_ON = b"".join(b"\r %d%%|#   | %d/100 [00:10<00:10,  5.00it/s]" % (i, i) for i in range(40, 45)) + b"\n"
 OOM = (b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
        b"79.14 GiB of which 1.00 GiB is free. Including non-PyTorch memory, this process has 8.00 GiB memory in use. "
        b"Of the allocated memory 6.50 GiB is allocated by PyTorch, and 512.00 MiB is reserved by PyTorch but unallocated.")
@@ -58,13 +60,35 @@ def test_a_sample_saying_disk_full_then_a_real_oom_traceback_is_a_gpu_oom():
 
 
 def test_an_exception_line_outside_a_traceback_is_a_hint_that_never_ends_or_pauses_a_job():
-    # A dataset line printed by the job (no traceback above it): disk_full would pause the queue.
-    log = HEALTHY + b"OSError: [Errno 28] No space left on device\n"
+    # A dataset line printed by the job (no traceback above it), training going on after it:
+    # disk_full would pause the queue.
+    log = HEALTHY + b"OSError: [Errno 28] No space left on device\n" + GOES_ON
     s = LogScanner()
     assert s.feed(log) == []
     d = s.finish(ExitRecord(returncode=1))
     assert d.strength == "hint"
     assert d.category is Category.CRASH_OTHER and d.subkind == "no_space", d
+
+
+def test_the_last_error_of_the_log_decides_the_verdict_but_never_tears_down():
+    """Issue 16: the last exception line before a non-zero exit, nothing but teardown after it, is
+    structural even without a traceback header (a pasted or rotated log); statvfs still guards disk."""
+    teardown = (b"[2026-11-28 23:41:07,000] [INFO] [launch.py:315:sigkill_handler] Killing subprocess 4242\n"
+                b"[2026-11-28 23:41:07,100] [ERROR] [launch.py:321:sigkill_handler] ['python', 'train.py'] exits with"
+                b" return code = 1\n\n")
+    log = HEALTHY + b"OSError: [Errno 28] No space left on device\n" + teardown
+    s = LogScanner()
+    assert s.feed(log) == []  # free text never tears anything down by itself
+    d = s.finish(ExitRecord(returncode=1))
+    assert (d.category, d.strength) == (Category.DISK_FULL, "structural"), d.summary
+    assert "the last error in the log" in d.summary
+    roomy = diagnose_bytes(log, ExitRecord(1), HostEvidence(free_bytes={"/out": 500 * GIB}))
+    assert (roomy.category, roomy.strength) == (Category.CRASH_OTHER, "hint"), roomy.summary
+    # The same line printed as data, then training went on, or in a printed sample: a hint / nothing.
+    assert diagnose_bytes(HEALTHY + b"OSError: [Errno 28] No space left on device\n" + GOES_ON + teardown,
+                          ExitRecord(1)).strength == "hint"
+    assert diagnose_bytes(sample_block(b"OSError: [Errno 28] No space left on device\n") + teardown,
+                          ExitRecord(1)).category is Category.UNKNOWN
 
 
 def test_the_exception_that_ends_the_last_traceback_wins_over_an_earlier_line():
@@ -202,7 +226,7 @@ def test_hints_never_decide_a_terminal_category():
     for line in (b"RuntimeError: CUDA error: an illegal memory access was encountered",
                  b"ValueError: Some keys are not used by the HfArgumentParser: ['x']",
                  b"RuntimeError: Function 'LogSoftmaxBackward0' returned nan values in its 0th output."):
-        d = diagnose_bytes(line + b"\n", ExitRecord(1))
+        d = diagnose_bytes(HEALTHY + line + b"\n" + GOES_ON, ExitRecord(1))  # printed, then training went on
         assert d.strength == "hint" and d.category not in (
             Category.DEVICE_FAULT, Category.DISK_FULL, Category.NUMERIC), (line, d)
         s = diagnose_bytes(tb(line), ExitRecord(1))
@@ -311,6 +335,7 @@ def test_an_unclosed_traceback_does_not_disable_the_flood_fast_path():
     s2.feed(flood[: len(flood) // 8])
     slow_per_line = (time.perf_counter() - t0) / 5000
     assert fast / 40000 < slow_per_line / 3, (fast, slow_per_line)
+    s.feed(b"epoch 2 begins\n")  # not the log's last word: the flood stays text
     assert s.finish(ExitRecord(1)).evidence[0].line_no == 2  # the earliest hint is still the evidence
 
 

@@ -5,26 +5,32 @@ Root-cause order (documented here, tested in tests/diagnosis):
      returncode 0 is success (an OOM the program retried is mentioned).
   2. The command never started (launch_error, or exit 127 + the shim's line): config_error.
      A scheduler's TIMEOUT/PREEMPTED/CANCELLED (unknown) or NODE_FAIL (environment) decides.
-  3. Among the log's STRUCTURAL findings (an exception ending a traceback; a runtime's fault
-     line when the process then aborted):
+  3. Among the log's STRUCTURAL findings (an exception ending a traceback, cut or not; a C++
+     terminate/what() block; a runtime's abort line; a fault line when the process then aborted;
+     the final error of the log, teardown.py):
        tier 1 ROOT  gpu_oom, host_oom, device_fault, disk_full, config_error, numeric, environment
        tier 2 COMM  NCCL/RCCL watchdog timeouts and errors, rendezvous/socket errors
        tier 3 CRASH other Python exceptions, segfault, abort, device-side assert
-     per rank, the exception that ends its LAST traceback (a chained or later exception
-     ended that process); across ranks the EARLIEST, tier 1 first: an illegal memory access
+     per rank, the exception that ends its LAST traceback (within a chain of tracebacks, the
+     FIRST: the cause, not what its handler raised); across ranks the EARLIEST, tier 1 first: an illegal memory access
      that trips the NCCL watchdog is a device_fault, an OOM on rank 3 that makes rank 0 time
      out is a gpu_oom, whatever order the ranks' stderr reached the log in. A tier-3
      exception right after a library's OOM message (same rank, <= 64 lines) is that OOM.
-     Disk full must be confirmed by statvfs when it was measured.
+     Disk full must be confirmed by statvfs when it was measured. A device fault the kernel
+     reported for the window (kernel.py) is tier 1 without a line; fp16 loss-scale collapse and a
+     NaN tail of logged losses are tier 1 at their last line.
   4. A SIGKILL (exit -9/137, torchrun `exitcode : -9`, `Signal 9 (SIGKILL)`)
      is host_oom only when memory evidence corroborates it: the cgroup's
      oom_kill counter > 0, a kernel OOM line (HostEvidence), min_available_bytes
      <= max(64 MiB, 2% of the memory limit), the supervisor's own memory-limit stop, or
-     the scheduler's OUT_OF_MEMORY. Otherwise it is crash_other/sigkill_unexplained.
+     the scheduler's OUT_OF_MEMORY. Otherwise it is crash_other/sigkill_unexplained, unless
+     nothing was measured and the log itself reports the kill (shell, launcher): then a likely
+     host OOM, strength "hint", said as not confirmed.
      A kill the supervisor made itself (stopped_by fatal_signal/hang) is never
      read as a kill: the log decides.
-  5. `stopped_by == "hang"`: hang, unless the log shows a tier 1-2 cause (a watchdog's own
-     line, a hint, refines it to comm_failure).
+  5. `stopped_by == "hang"`: hang, unless the log shows a tier 1-2 cause; an OOM seen in the
+     attempt (structural or a hint) is the hang's likely cause ("a hang after an OOM on rank N at
+     line L"); a watchdog's own line, a hint, refines it to comm_failure.
   6. Otherwise exit-signal facts (segfault, abort, SIGTERM), then HINTS (free text outside
      a traceback: strength "hint"; a terminal category becomes crash_other), then unknown.
 
@@ -47,8 +53,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
+from supervisor.judge.diagnosis import kernel, teardown
 from supervisor.judge.diagnosis.findings import Finding, ScanState
-from supervisor.judge.diagnosis.rules import COMM, CRASH, HINT, KERNEL_OOM_RE, ROOT, Hit
+from supervisor.judge.diagnosis.kernel import KERNEL_OOM_RE
+from supervisor.judge.diagnosis.rules import _SIGKILL_RE, COMM, CRASH, HINT, MARKER, ROOT, Hit
 from supervisor.judge.diagnosis.sizes import human
 
 MIB = 1024**2
@@ -71,7 +79,10 @@ _SCHEDULER_VERDICTS = {
     "BOOT_FAIL": (Category.ENVIRONMENT, "node_fail", "the node failed to boot; a retry elsewhere is expected to work"),
     "DEADLINE": (Category.UNKNOWN, "scheduler_timeout", "the job reached its deadline; not a failure of the training"),
 }
-REFINE_WINDOW = 64  # lines between a library's OOM message and the exception it raised
+REFINE_WINDOW = 64
+# Subkinds that say less than a sibling of the same category (a failed write vs. "no space left").
+_GENERIC_SUBKINDS = frozenset({"checkpoint_write_failed", "python_exception", "driver"})
+_PHASE_ORDER = (Phase.CHECKPOINT_LOAD, Phase.CHECKPOINT_SAVE, Phase.EVALUATION, Phase.MODEL_LOAD, Phase.TRAIN_STEP)  # lines between a library's OOM message and the exception it raised
 
 _SUPERVISOR_STOPS = ("cancel", "shutdown")
 _OWN_KILLS = ("fatal_signal", "hang")
@@ -131,7 +142,7 @@ def _memory_corroboration(host: HostEvidence | None) -> tuple[list[str], list[Ev
         words.append("the supervisor stopped it when its processes' memory went over the job's limit")
     if host.scheduler_state == "OUT_OF_MEMORY":
         words.append("the scheduler reports OUT_OF_MEMORY")
-    for line in host.kernel_oom_lines:
+    for line in host.kernel_lines:
         if KERNEL_OOM_RE.search(line):
             ev.append(Evidence(line_no=0, text=line.strip()[:2000], rule="host:kernel_oom"))
     if ev:
@@ -141,6 +152,102 @@ def _memory_corroboration(host: HostEvidence | None) -> tuple[list[str], list[Ev
         if host.min_available_bytes <= max(NEAR_ZERO_FLOOR, NEAR_ZERO_FRACTION * limit):
             words.append(f"available memory fell to {human(host.min_available_bytes)}")
     return words, ev
+
+
+def _measured(host: HostEvidence | None) -> bool:
+    """Was any host memory fact gathered that would have shown an OOM kill?"""
+    if host is None:
+        return False
+    return (host.cgroup_oom_kills is not None or bool(host.kernel_log_read) or host.min_available_bytes is not None
+            or host.limit_enforced_kill or host.scheduler_state is not None)
+
+
+def _kernel_root(host: HostEvidence | None, state: ScanState) -> _Root | None:
+    """A device fault the kernel reported for the attempt's window (Xid, fallen off the bus, AER)."""
+    if host is None or not host.kernel_lines:
+        return None
+    faults = kernel.device_faults(host.kernel_lines)
+    f = kernel.strongest(faults)
+    if f is None:
+        return None
+    what = f"Xid {f.code}" if f.code is not None else f.subkind.replace("_", " ")
+    ev = [Evidence(line_no=0, text=x.text, rule=f"host:kernel_{x.subkind}") for x in faults[:3]]
+    return _Root(hit=Hit(f"kernel_{f.subkind}", Category.DEVICE_FAULT, ROOT, f.subkind, vendor=f.vendor),
+                 line_no=0, text=f.text, rank=None, phase=state.context_phase,
+                 notes=[f"the kernel log reports {what}: {f.text[:200]}"], extra=ev)
+
+
+def _promote(f: Finding, why: str) -> Finding:
+    """A finding that the log's structure shows decisive: structural, with its *_mention rule made whole."""
+    hit = f.hit
+    if hit.tier == HINT and hit.rule.endswith("_mention"):
+        hit = dataclasses.replace(hit, rule=hit.rule[: -len("_mention")], tier=ROOT, fatal=True)
+    return dataclasses.replace(f, hit=hit, structural=True, notes=[*f.notes, why])
+
+
+def _final_error(state: ScanState, active: list[Finding]) -> list[Finding]:
+    """The findings of the final error block (teardown.py), made structural: the last thing the log
+    says before it ends, when it is an error. Voided where training advanced after it."""
+    block = teardown.final_block(state.program_tail(), state.prefixes, lambda t: _SIGKILL_RE.search(t) is not None)
+    if block is None:
+        return []
+    first, last = block
+    if state.last_advance_line > last:
+        return []
+    found = [f for f in active if first <= f.line_no <= last and f.tier in (ROOT, COMM, CRASH, HINT)
+             and f.rule not in ("nan_loss", "sigkill") and f.tier != MARKER]
+    found = [f for f in found if f.tier != HINT or f.rule.endswith("_mention")]
+    if not found:
+        return []
+    # One block, one error: like a chain, its first (strongest) finding speaks for it.
+    return [dataclasses.replace(_promote(f, "the last error in the log (no traceback header above it in the log)"),
+                                chain=-first) if not f.structural else f for f in found]
+
+
+SCALE_RUN = 4  # overflows in a row, each lowering the loss scale further
+LOW_SCALE = 2.0  # DeepSpeed's default minimum is 1; a run that got here has nowhere left to go
+_LOSS_VALUE_RE = re.compile(r"""(?:^|[\s{,'"|(])(?P<name>(?:total_|train_)?loss)['"]?\s*[=:]\s*['"]?"""
+                            r"""(?:np\.float\d+\(|tensor\()?(?P<v>nan|-?inf|[-+]?\d[\d.e+-]*)""", re.IGNORECASE)
+NAN_TAIL_RUN = 2
+
+
+def _scale_collapse(state: ScanState) -> _Root | None:
+    """fp16 loss-scale collapse shown only as overflow lines: every step overflowed, the scale halving
+    down to its minimum, and the log ends there."""
+    run = state.scale_run
+    if run is None or run[0] < SCALE_RUN or run[1] > LOW_SCALE or state.last_advance_line > run[3]:
+        return None
+    block = teardown.final_block(state.program_tail(), state.prefixes)
+    if block is None or block[1] != run[3]:
+        return None
+    text = next((t for n, t in state.program_tail() if n == run[3]), "")
+    return _Root(hit=Hit("loss_scale_collapse", Category.NUMERIC, ROOT, "loss_scale_at_minimum"),
+                 line_no=run[3], text=text.strip()[:2000], rank=None, phase=Phase.TRAIN_STEP,
+                 notes=[(f"{run[0]} gradient overflows in a row (lines {run[2]}-{run[3]}), the fp16 loss scale"
+                        f" halving down to {run[1]:g}: every step was skipped")])
+
+
+def _nan_tail_run(state: ScanState) -> _Root | None:
+    """The run's last logged losses are all NaN/Inf (at least NAN_TAIL_RUN, no finite loss after the
+    first of them): whatever ended it, it had stopped learning."""
+    bad: list[tuple[int, str]] = []
+    for n, raw in reversed(state.program_tail()):
+        vals = [(m.group("name").lower(), m.group("v").lower()) for m in _LOSS_VALUE_RE.finditer(raw)]
+        main = [v for name, v in vals if name in ("loss", "total_loss", "train_loss")]
+        if not main:
+            if any(v in ("nan", "inf", "-inf") for _, v in vals):
+                bad.append((n, raw))
+            continue
+        if any(v in ("nan", "inf", "-inf") for v in main):
+            bad.append((n, raw))
+        else:
+            break
+    if len(bad) < NAN_TAIL_RUN:
+        return None
+    last, text = bad[0]
+    return _Root(hit=Hit("nan_loss_run", Category.NUMERIC, ROOT, "nan_loss"), line_no=last,
+                 text=text.strip()[:2000], rank=None, phase=Phase.TRAIN_STEP,
+                 notes=[f"the last {len(bad)} logged losses are NaN/Inf (lines {bad[-1][0]}-{last}), none finite after"])
 
 
 def _pick(findings: list[Finding], tier: int) -> Finding | None:
@@ -220,6 +327,13 @@ def _summary(root: _Root, nums: dict[str, Any], frag: bool, state: ScanState, ve
             s += f"; {human(nums['reserved_unallocated'])} reserved by PyTorch but unallocated"
             if frag:
                 s += " (fragmentation: the cache held enough, not in one block)"
+        if nums.get("held_by_others_inferred"):
+            s += (f"; {human(nums['not_held_by_pytorch'])} of the GPU is in use outside this process's PyTorch"
+                  f" allocator: {human(nums['held_by_others'])} of it counted as held by other processes")
+            s += (" (the process listed with the use that covers PyTorch's reservation is this one)"
+                  if "process_in_use" in nums else
+                  " (beyond an allowance for this process's own context and library buffers: the message cannot"
+                  " tell other processes from this process's non-PyTorch memory)")
         s += f" ({line})."
     elif cat is Category.HOST_OOM:
         s = f"Host (CPU) memory exhausted{where} [{words}]"
@@ -255,7 +369,34 @@ def _recovered_note(state: ScanState) -> str:
             f" (first at line {f.line_no}; {'; '.join(f.notes) or 'training continued'}).")
 
 
+# What the lines before a failure say the run was doing, when neither a traceback's frames nor the
+# trainer's markers did: an evaluation bar, training progress (a bar in it/s, an epoch/iter/step
+# counter, a loss value), a model being loaded, a checkpoint being saved. Read from the tail, nearest first.
+_TAIL_PHASES: tuple[tuple[re.Pattern[str], Phase], ...] = (
+    (re.compile(r"\b(?:[Ee]val\w*|[Vv]alidat\w*|[Pp]redict\w*)\b[^\n]*\d+%\|"), Phase.EVALUATION),
+    (re.compile(r"\d+/\d+ \[[\d:]+<[\d:?]+,\s*[\d.?]+\s*(?:it/s|s/it|\w+/s|s/\w+)|\b(?:[Ee]poch|iter(?:ation)?|step)"
+                r"\s*[:=]?\s*\d|\bloss\w*['\"]?\s*[:=]\s*[-\d.]|\b[Ss]tart(?:ing)? [Tt]raining\b"), Phase.TRAIN_STEP),
+    (re.compile(r"\b(?:[Ll]oading|[Ii]nitiali[sz]ing)\b.*\b(?:model|weights|tensors|decoder|encoder|shards|pretrained)\b"),
+     Phase.MODEL_LOAD),
+    (re.compile(r"\b[Ss]aving\b.*\b(?:checkpoint|model|weights)\b"), Phase.CHECKPOINT_SAVE),
+)
+
+
+def _tail_phase(state: ScanState, before: int) -> Phase:
+    for n, text in reversed(state.program_tail()):
+        if before and n >= before:
+            continue
+        for rx, phase in _TAIL_PHASES:
+            if rx.search(text):
+                return phase
+    return Phase.UNKNOWN
+
+
 def _diagnosis(root: _Root, state: ScanState, extra_summary: str = "", strength: str = "structural") -> Diagnosis:
+    if root.phase is Phase.UNKNOWN:
+        root.phase = _tail_phase(state, root.line_no)
+        if root.phase is Phase.UNKNOWN and root.hit.category is Category.NUMERIC:
+            root.phase = Phase.TRAIN_STEP  # losses and loss scales exist only while training
     vendor = _vendor(root, state)
     nums, frag = dict(root.hit.numbers), False
     if root.hit.category is Category.GPU_OOM:
@@ -384,6 +525,9 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
 
     active = [f for f in state.findings if not f.recovered]
     decisive = _decisive(active, signal)
+    if stopped_by != "fatal_signal":  # our own live stop: the finding that triggered it decides
+        seen = {(f.line_no, f.rule) for f in decisive}
+        decisive += [f for f in _final_error(state, active) if (f.line_no, f.rule) not in seen]
     own_kill = stopped_by in _OWN_KILLS
     exit_killed = not own_kill and signal == "SIGKILL"
     kill_marker = next((f for f in active if f.rule == "sigkill"), None)
@@ -416,16 +560,32 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
         candidates.append(_Root(hit=Hit("loss_scale_stuck", Category.NUMERIC, ROOT, "loss_scale_at_minimum"),
                                 line_no=0, text="", rank=None, phase=state.context_phase,
                                 notes=[f"{state.min_loss_scale_overflows} overflows at loss scale 1"]))
+    else:
+        collapse = _scale_collapse(state)
+        if collapse is not None:
+            candidates.append(collapse)
+    nan_run = _nan_tail_run(state)
+    if nan_run is not None:
+        candidates.append(nan_run)
+    kernel_root = _kernel_root(host, state)
 
-    root = _choose(candidates, host_root)
+    root = _choose(candidates, host_root, kernel_root)
     if root is not None and root.hit.category is Category.DISK_FULL:
         root, demoted = _confirm_disk(root, host, state)
         if demoted is not None:
             return demoted
 
     if stopped_by == "hang":
-        if root is not None and root.hit.tier in (ROOT, COMM):
+        oom = [f for f in active if f.category in (Category.GPU_OOM, Category.HOST_OOM)]
+        if root is not None and root.hit.tier in (ROOT, COMM) and root.hit.category not in OOM_CATEGORIES:
             return _diagnosis(root, state, " The supervisor stopped it after no progress.")
+        if root is not None and root.hit.category in OOM_CATEGORIES:
+            return _diagnosis(root, state, _hang_after_oom(root.rank, root.line_no))
+        if oom:
+            # One rank ran out of memory and the others wait for it in a collective: the OOM is the
+            # hang's likely cause, and a retry of the same configuration would hang the same way.
+            f = max(oom, key=lambda f: (f.tier == ROOT, f.line_no, f.seq))
+            return _diagnosis(_root_of(f), state, _hang_after_oom(f.rank, f.line_no), strength="hint")
         comm = _pick([f for f in active if not f.structural], COMM)
         if comm is not None:  # a watchdog's own log line says why nothing moved (a retry either way)
             return _diagnosis(_root_of(comm), state, " The supervisor stopped it after no progress (from a"
@@ -441,6 +601,19 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
     if stopped_by == "fatal_signal":
         return _plain(Category.UNKNOWN, "no_evidence",
                       "The supervisor stopped the attempt on a fatal line, but no decisive failure is in the log now.", state)
+
+    log_kill = max((f for f in active if f.rule == "sigkill"), key=lambda f: f.line_no, default=None)
+    if (killed and log_kill is not None and not _measured(host) and not own_kill
+            and state.last_advance_line <= log_kill.line_no):
+        # The log's own report of the kill (the shell's "Killed", a launcher's "-9") and nothing measured
+        # either way: the kernel's OOM killer is by far the likeliest sender. Said as a likely cause.
+        first_kill = kill_marker or log_kill
+        root = _Root(hit=Hit("oom_killer_unconfirmed", Category.HOST_OOM, ROOT, "oom_killer_unconfirmed", vendor="cpu"),
+                     line_no=first_kill.line_no, text=first_kill.text, rank=first_kill.rank, phase=first_kill.phase,
+                     notes=[("killed by SIGKILL, most likely by the kernel's OOM killer; no host memory evidence"
+                             " (cgroup counter, kernel log, memory samples) was gathered to confirm it or rule it out")],
+                     line_rule="sigkill")
+        return _diagnosis(root, state, " (a likely cause, not confirmed: weaker evidence)", strength="hint")
 
     if killed:
         where = f"exit status ({signal})" if exit_killed else (
@@ -474,6 +647,15 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
                   f"Exited with status {rc}; the log shows no recognised error.", state, _tail_evidence(state))
 
 
+OOM_CATEGORIES = (Category.GPU_OOM, Category.HOST_OOM)
+
+
+def _hang_after_oom(rank: int | None, line_no: int) -> str:
+    on = f" on rank {rank}" if rank is not None else ""
+    return (f" The supervisor stopped it after no progress: a hang after an OOM{on} at line {line_no}, its"
+            " likely cause (the other ranks wait for it in a collective); the OOM is what to remedy.")
+
+
 def _decisive(active: list[Finding], signal: str | None) -> list[Finding]:
     """Structural findings: exceptions ending a traceback, plus a runtime's fault line that the
     exit status corroborates (a device fault printed just before SIGABRT/SIGSEGV/SIGBUS)."""
@@ -494,12 +676,14 @@ def _refine(first: Finding | None, active: list[Finding]) -> Finding | None:
     if first is None or first.tier != CRASH:
         return first
     near = [f for f in active if not f.structural and f.tier == ROOT
-            and f.category in (Category.GPU_OOM, Category.HOST_OOM)
+            and f.category in (Category.GPU_OOM, Category.HOST_OOM, Category.DISK_FULL)
             and f.rank in (first.rank, None) and 0 <= first.line_no - f.line_no <= REFINE_WINDOW]
     if not near:
         return first
     f = max(near, key=lambda f: (f.line_no, f.seq))
-    return dataclasses.replace(f, structural=True, notes=[*f.notes, f"it ended in {first.text[:200]!r} (line {first.line_no})"])
+    phase = f.phase if f.phase is not Phase.UNKNOWN else first.phase
+    return dataclasses.replace(f, structural=True, phase=phase,
+                               notes=[*f.notes, f"it ended in {first.text[:200]!r} (line {first.line_no})"])
 
 
 def _pick_structural(findings: list[Finding]) -> Finding | None:
@@ -517,6 +701,22 @@ def _pick_structural(findings: list[Finding]) -> Finding | None:
                 cur = per_rank.get(f.rank)
                 if cur is None or (f.line_no, f.seq) > (cur.line_no, cur.seq):
                     per_rank[f.rank] = f
+        for rank, last in list(per_rank.items()):
+            if last.chain is not None:
+                # Chained exceptions ("During handling of the above exception..."): the first is the cause;
+                # a later one of the same category may name it better (ENOSPC after a failed stream write).
+                same = [f for f in findings if f.chain == last.chain and f.rank == rank]
+                lead = min(same, key=lambda f: (f.tier, f.line_no, f.seq))
+                kin = [f for f in same if f.category is lead.category and f.tier == lead.tier]
+                best = min(kin, key=lambda f: (f.hit.subkind in _GENERIC_SUBKINDS, f.line_no, f.seq))
+                phase = best.phase
+                if phase is Phase.UNKNOWN:  # where the chain as a whole was
+                    phase = next((p for p in _PHASE_ORDER for f in same if f.phase is p), Phase.UNKNOWN)
+                if best.tier in tiers and (best is not last or phase is not best.phase):
+                    note = ([(f"the first of chained exceptions; the last was {last.text[:160]!r}"
+                             f" (line {last.line_no})")]
+                            if best is not last and last.category is not best.category else [])
+                    per_rank[rank] = dataclasses.replace(best, phase=phase, notes=[*best.notes, *note])
         if per_rank:
             return min(per_rank.values(), key=lambda f: (f.line_no, f.seq))
     return None
@@ -576,14 +776,23 @@ def _confirm_disk(root: _Root, host: HostEvidence | None, state: ScanState) -> t
     return root, _diagnosis(root, state, strength="hint")
 
 
-def _choose(candidates: list[_Root], host_root: _Root | None) -> _Root | None:
-    """Earliest tier-1 cause; a corroborated OOM kill counts as tier 1 at its kill line."""
+def _choose(candidates: list[_Root], host_root: _Root | None, kernel_root: _Root | None = None) -> _Root | None:
+    """Earliest tier-1 cause; a corroborated OOM kill counts as tier 1 at its kill line; a device fault
+    the kernel reported counts as tier 1 without a line (after any line-located tier-1 cause)."""
     tier1 = [c for c in candidates if c.hit.tier == ROOT]
     if host_root is not None:
         tier1.append(host_root)
+    if kernel_root is not None:
+        tier1.append(kernel_root)
     if tier1:
         # A cause without a line (host evidence, loss-scale count) sorts after lines: it is
         # known only at the end, so any earlier line-located root cause explains more.
-        return min(tier1, key=lambda c: (c.line_no == 0, c.line_no))
+        best = min(tier1, key=lambda c: (c.line_no == 0, c.line_no))
+        if kernel_root is not None and best is not kernel_root and best.hit.category is Category.DEVICE_FAULT:
+            # The log says a device failed; the kernel says how (Xid 79: off the bus).
+            kernel_root.extra.insert(0, Evidence(line_no=best.line_no, text=best.text, rule=best.hit.rule))
+            kernel_root.rank, kernel_root.phase = best.rank, best.phase
+            return kernel_root
+        return best
     rest = [c for c in candidates if c.hit.tier in (COMM, CRASH)]
     return min(rest, key=lambda c: c.line_no) if rest else None

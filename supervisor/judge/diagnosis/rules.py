@@ -23,6 +23,8 @@ from typing import Any
 
 from supervisor.core.models import Category, Phase
 from supervisor.judge.diagnosis.fastre import compile_search
+from supervisor.judge.diagnosis.kernel import KERNEL_OOM_RE
+from supervisor.judge.diagnosis.prefixes import KNOWN_PREFIX_RE, PrefixModel, undecorate
 from supervisor.judge.diagnosis.sizes import SIZE, parse_size
 
 ROOT, COMM, CRASH, MARKER, HINT = 1, 2, 3, 4, 5
@@ -39,7 +41,11 @@ _MARKER_TRIGGERS = (
     "'loss': 0.0,", "'loss': 0,", " example:", "input_ids:",
     "Loading checkpoint shards", "loading weights file", "*****", "Saving model checkpoint", "Loading model from",
     "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW",
-    "local_rank", "is ready now", "Deleting older checkpoint", "Gradient overflow",
+    "local_rank", "is ready now", "Deleting older checkpoint", "Gradient overflow", "Loading weights",
+    "Load checkpoint", "Loading checkpoint from", "loading model tensors", "zero partition checkpoints", "zero checkpoints",
+    # chained exceptions; C++ aborts; a program that says it retries after an OOM
+    "above exception", "what():", "terminated with exception", "aborting with error", "retrying", "Retrying",
+    "falling back",
 )
 _VENDOR_TRIGGERS = (
     "HIP", "hipError", "AMD_SERIALIZE", "HSA_", "HW Exception", "/rocm", "ROCm", "rocm-", "gfx9", "gfx1", "MI300",
@@ -48,25 +54,14 @@ _VENDOR_TRIGGERS = (
     "cuDNN", "NVIDIA", "NVRM", "nvidia-smi", "NVML", "cudaError", "sm_",
 )
 
-# Prefixes that launchers and loggers put before the real text. Stripped
-# repeatedly from the start of a segment; `[rankN]:` / `[defaultN]:` give the rank.
-_PREFIX_RE = re.compile(
-    r"""^\s*(?:
-        \[(?:rank|default)(?P<rank>\d+)\]:\s?
-      | \(\w+\s+pid=\d+\)\s*
-      | (?:INFO|WARNING|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d\s+\d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s*
-      | \[?[EWIF]\d{4}\s+[\d:.]+\s+(?:\d+\s+)?[\w./-]+:\d+\]\s*
-      | \[\d{4}-\d\d-\d\d[ T][\d:.,]+\]\s*(?:\[\w+\]\s*(?:\[[^\]]*\]\s*)?)?
-      | \d{4}-\d\d-\d\d[ T][\d:.,]+Z?\s*(?:\|\s*\w+\s*\|\s*\w+\s*\|\s*)?
-    )""",
-    re.VERBOSE,
-)
 _GLUED_RANK_RE = re.compile(r"\[(?:rank|default)\d+\]:")
 _RANK_ANYWHERE_RE = re.compile(r"\[(?:rank|default)(\d+)\]:|\[(?:PG [^\]]*?)?Rank (\d+)\]")
 _EXC_RE = re.compile(
     r"^(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
     # any CamelCase class with a module path: triton.runtime.errors.OutOfResources
-    r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*)(?::\s?(?P<msg>.*))?$"
+    r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*)"
+    # Ray re-raises a task's exception as RayTaskError(<the task's class>)
+    r"(?:\((?P<inner>[A-Za-z_]\w*)\))?(?::\s?(?P<msg>.*))?$"
 )
 FRAME_RE = re.compile(r'File "(?P<path>[^"]*)", line \d+, in (?P<func>[\w<>.]+)')
 ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
@@ -74,25 +69,29 @@ ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|
 HIP_RE = compile_search(
     r"HIP out of memory|HIP error|\bhip[A-Z]\w+|AMD_SERIALIZE_KERNEL|HSA_STATUS|Memory access fault by GPU|HW Exception by GPU"
     r"|\bgfx\d{3,4}\w*|\bMI\d{3}[A-Z]?\b|/rocm|\bROCm\b|\bRCCL\b|rocBLAS|hipBLAS|MIOpen|\bamdgpu\b"
-    r"|libamdhip64|HIPBLAS_STATUS|rocblas_status|detected platform rocm"
+    r"|libamdhip64|HIPBLAS_STATUS|rocblas_status|detected platform rocm|/rccl/|/hipify/"
 )
 CUDA_RE = compile_search(
     r"CUDA out of memory|CUDA error|CUDA_LAUNCH_BLOCKING|CUBLAS_STATUS|cuBLAS|CUDNN_STATUS|cuDNN"
     r"|\bNVIDIA\b|\bNVRM\b|nvidia-smi|\bNVML\b|\bcudaError\w+|\bsm_\d{2,3}\b|detected platform cuda"
+    r"|THCudaCheck|cuda runtime error|for CUDA device|CUDA_ERROR_|\bCUDA\d*\b"
 )
 
 # --- phase markers --------------------------------------------------------
 # Functions on a traceback that tell where the failure happened. When several
 # appear, the first phase in PHASE_PRECEDENCE wins: loading optimizer state is
-# "resume" even though it runs inside the training loop.
+# "checkpoint_load" even though it runs inside the training loop.
 FRAME_PHASES: dict[str, Phase] = {
-    "_load_from_checkpoint": Phase.RESUME,
-    "_load_optimizer_and_scheduler": Phase.RESUME,
-    "_load_rng_state": Phase.RESUME,
-    "load_checkpoint": Phase.RESUME,
-    "_load_zero_checkpoint": Phase.RESUME,
-    "load_module_state_dict": Phase.RESUME,
-    "deepspeed_load_checkpoint": Phase.RESUME,
+    "_load_from_checkpoint": Phase.CHECKPOINT_LOAD,
+    "_load_optimizer_and_scheduler": Phase.CHECKPOINT_LOAD,
+    "_load_rng_state": Phase.CHECKPOINT_LOAD,
+    "load_checkpoint": Phase.CHECKPOINT_LOAD,
+    "_load_zero_checkpoint": Phase.CHECKPOINT_LOAD,
+    "_load_scaler": Phase.CHECKPOINT_LOAD,
+    "load_universal_checkpoint": Phase.CHECKPOINT_LOAD,
+    "_load_checkpoint": Phase.CHECKPOINT_LOAD,
+    "load_module_state_dict": Phase.CHECKPOINT_LOAD,
+    "deepspeed_load_checkpoint": Phase.CHECKPOINT_LOAD,
     "_save_checkpoint": Phase.CHECKPOINT_SAVE,
     "save_model": Phase.CHECKPOINT_SAVE,
     "save_pretrained": Phase.CHECKPOINT_SAVE,
@@ -100,6 +99,8 @@ FRAME_PHASES: dict[str, Phase] = {
     "_save_optimizer_and_scheduler": Phase.CHECKPOINT_SAVE,
     "_save": Phase.CHECKPOINT_SAVE,
     "save_16bit_model": Phase.CHECKPOINT_SAVE,
+    "save_weights": Phase.CHECKPOINT_SAVE,
+    "save_state": Phase.CHECKPOINT_SAVE,
     "evaluate": Phase.EVALUATION,
     "_evaluate": Phase.EVALUATION,
     "evaluation_loop": Phase.EVALUATION,
@@ -111,12 +112,25 @@ FRAME_PHASES: dict[str, Phase] = {
     "load_tokenizer": Phase.MODEL_LOAD,
     "_load_pretrained_model": Phase.MODEL_LOAD,
     "load_model_and_tokenizer": Phase.MODEL_LOAD,
+    "_load_state_dict_into_meta_model": Phase.MODEL_LOAD,
+    "load_state_dict": Phase.MODEL_LOAD,
     "training_step": Phase.TRAIN_STEP,
     "_inner_training_loop": Phase.TRAIN_STEP,
     "compute_loss": Phase.TRAIN_STEP,
+    # the backward pass and the usual names of a training step in other frameworks
+    "backward": Phase.TRAIN_STEP,
+    "_engine_run_backward": Phase.TRAIN_STEP,
+    "run_step": Phase.TRAIN_STEP,
+    "train_step": Phase.TRAIN_STEP,
+    "optimizer_step": Phase.TRAIN_STEP,
+    "step": Phase.TRAIN_STEP,  # optimizer.step(), lr_scheduler.step(), engine.step(): training
+    "optimize_parameters": Phase.TRAIN_STEP,
+    "train_one_epoch": Phase.TRAIN_STEP,
+    "train_epoch": Phase.TRAIN_STEP,
+    "validation_step": Phase.EVALUATION,
 }
 PHASE_PRECEDENCE = (
-    Phase.RESUME,
+    Phase.CHECKPOINT_LOAD,
     Phase.CHECKPOINT_SAVE,
     Phase.EVALUATION,
     Phase.MODEL_LOAD,
@@ -125,24 +139,29 @@ PHASE_PRECEDENCE = (
 
 # Log lines that say what the run is doing now (used when a failure has no traceback).
 CONTEXT_MARKERS: tuple[tuple[re.Pattern[str], Phase], ...] = (
-    (re.compile(r"Loading checkpoint shards|loading weights file"), Phase.MODEL_LOAD),
+    (re.compile(r"Loading checkpoint shards|loading weights file|Loading weights:|loading model tensors"),
+     Phase.MODEL_LOAD),
     (re.compile(r"\*\*\*\*\* Running training \*\*\*\*\*"), Phase.TRAIN_STEP),
     (re.compile(r"\*\*\*\*\* Running (?:Evaluation|Prediction) \*\*\*\*\*"), Phase.EVALUATION),
     (re.compile(r"Saving model checkpoint to|\[Rank \d+\] Saving model checkpoint"), Phase.CHECKPOINT_SAVE),
     # The save is over (DeepSpeed's commit line; transformers' rotation after a save): training resumes.
     (re.compile(r"Checkpoint \S+ is ready now|Deleting older checkpoint"), Phase.TRAIN_STEP),
     (
-        re.compile(r"Loading model from \S*checkpoint|Continuing training from checkpoint|Resuming training from"),
-        Phase.RESUME,
+        # transformers' _load_from_checkpoint and resume log lines, LLaMA-Factory's parser, DeepSpeed's engine
+        re.compile(r"Loading model from \S*checkpoint|\[INFO\|trainer\.py:\d+\][^>]*>> Loading model from"
+                   r"|Continuing training from checkpoint|Resuming training from"
+                   r"|\[Torch\] (?:Begin )?Load(?:ing)? checkpoint from|loading \d+ zero partition checkpoints"
+                   r"|Loading \S+ zero checkpoints|loaded universal zero checkpoints"),
+        Phase.CHECKPOINT_LOAD,
     ),
 )
 TOTAL_STEPS_RE = re.compile(r"Total optimization steps = (\d[\d,]*)")
 CHECKPOINT_STEP_RE = re.compile(r"Saving model checkpoint to \S*checkpoint-(\d+)")
 DS_STEP_RE = re.compile(r"\bstep=(\d+), skipped=\d+")
 RETRY_BATCH_RE = re.compile(r"Currently training with a batch size of: (\d+)")
-LOSS_SCALE_RE = re.compile(r"OVERFLOW!.*?Attempted loss scale: (\d+)")
+LOSS_SCALE_RE = re.compile(r"OVERFLOW!.*?Attempted loss scale: (\d+(?:\.\d+)?)(?:, reducing to (\d+(?:\.\d+)?))?")
 # Megatron/apex-style: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 0.5"
-GRAD_OVERFLOW_RE = re.compile(r"Gradient overflow\.\s+Skipping step,.*?reducing (?:loss scale )?to (\d+(?:\.\d+)?)")
+GRAD_OVERFLOW_RE = re.compile(r"Gradient overflow\.\s+Skipping step,.*?reducing (?:loss scale )?to (\d+(?:\.\d+)?(?:e[-+]?\d+)?)")
 TORCHRUN_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
 
 
@@ -171,16 +190,22 @@ class Segment:
     exc_msg: str | None
 
 
-def split_prefix(raw: str) -> Segment:
-    text = raw
+def split_prefix(raw: str, learned: PrefixModel | None = None) -> Segment:
+    """A line's text past its prefixes and paste decorations, the rank they name, and its exception."""
+    text = undecorate(raw)
     rank = None
+    if learned is not None:
+        text, rank = learned.strip(text)
     while True:
-        m = _PREFIX_RE.match(text)
+        m = KNOWN_PREFIX_RE.match(text)
         if not m or m.end() == 0:
             break
         if m.group("rank") is not None and rank is None:
             rank = int(m.group("rank"))
         text = text[m.end():]
+        if learned is not None:
+            text, lab = learned.strip(text)
+            rank = lab if rank is None else rank
     text = text.strip()
     if not _EXC_RE.match(text):
         # A progress bar left without a newline glues the next rank-prefixed
@@ -189,15 +214,27 @@ def split_prefix(raw: str) -> Segment:
         for glued in _GLUED_RANK_RE.finditer(text):
             pass
         if glued is not None and glued.start() > 0:
-            rest = split_prefix(text[glued.start():])
+            rest = split_prefix(text[glued.start():], learned)
             return Segment(text=rest.text, raw=raw, rank=rest.rank, exc=rest.exc, exc_msg=rest.exc_msg)
     if rank is None:
         m = _RANK_ANYWHERE_RE.search(raw)
         if m:
             rank = int(m.group(1) or m.group(2))
     em = _EXC_RE.match(text)
-    exc = em.group("exc") if em else None
+    exc = None
+    if em:
+        exc = em.group("exc")
+        if em.group("inner"):
+            exc = em.group("inner")  # RayTaskError(OutOfMemoryError): the task's own exception
     return Segment(text=text, raw=raw, rank=rank, exc=exc, exc_msg=em.group("msg") if em else None)
+
+
+def exception_class(text: str) -> str | None:
+    """The exception class a cleaned line starts with (`ValueError: ...`), if it is an exception line."""
+    em = _EXC_RE.match(text)
+    if em is None:
+        return None
+    return em.group("inner") or em.group("exc")
 
 
 def _short(exc: str | None) -> str | None:
@@ -232,6 +269,9 @@ _DRIVER_OOM_RE = re.compile(
     r"|rocblas_status_memory_error|miopenStatusAllocFailed|MIOpen(?: Error)?:.*(?:[Mm]emory allocation failed|alloc)"
     r"|HSA_STATUS_ERROR_OUT_OF_RESOURCES|(?P<nccl>Cuda|HIP|Hip) failure '?out of memory'?"
     r"|rocBLAS.*(?:memory allocation|alloc).*fail|Memory not available to allocate buffer|HIP_ERROR_OutOfMemory"
+    # TensorFlow's stream executor and the driver APIs: hipErrorMemoryAllocation is HIP's old 1002
+    r"|\bCUDA_ERROR_OUT_OF_MEMORY\b|\bhipErrorMemoryAllocation\b|hipError_t\(1002\)"
+    r"|failed to allocate \S+ \(\d+ bytes\) from device"
 )
 _BUFFER_BYTES_RE = re.compile(r"allocate buffer: (\d+)|failed to allocate [\d.]+\w? \((\d+) bytes\)")
 _PINNED_RE = re.compile(r"HostAllocator|cudaHostAlloc|hipHostMalloc|hipHostAlloc|pin_memory|pinned memory")
@@ -249,7 +289,9 @@ _BATCH_EXHAUSTED_RE = re.compile(r"No executable batch size found, reached zero"
 
 # Other frameworks' OOM dialects (generic `command:` jobs).
 _TF_OOM_RE = re.compile(r"OOM when allocating tensor(?: with shape\s*\[[^\]]*\])?(?P<rest>.*)")
-_XLA_OOM_RE = re.compile(r"RESOURCE_EXHAUSTED: Out of memory (?:while trying to allocate|allocating) (\d+) bytes")
+# XLA's status text; older releases spelled it "Resource exhausted:". A terminal may wrap the line after "Out".
+_XLA_OOM_RE = re.compile(r"(?:RESOURCE_EXHAUSTED|Resource exhausted): Out(?:$|\s+of memory"
+                         r"(?:\s+(?:while trying to allocate|allocating)\s+(\d+)\s+bytes)?)")
 _GGML_OOM_RE = re.compile(
     r"(?:cuda|hip)Malloc failed: out of memory|failed to allocate (?P<dev>CUDA|ROCm|HIP|Vulkan|SYCL)\d* buffer(?: of size (?P<size>\d+))?"
     r"|unable to allocate (?:CUDA|ROCm|HIP)\d* buffer|ggml_cuda_host_malloc: failed to allocate"
@@ -260,13 +302,15 @@ _TRITON_RES_RE = re.compile(r"out of resources?: (?P<what>shared memory|register
                             r"(?:, Hardware limit(?:ation)?: (?P<lim>\d+))?")
 
 # --- host OOM -------------------------------------------------------------
-_CPU_ALLOC_RE = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)")
+_CPU_ALLOC_RE = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
+                           # PyTorch <= 1.1's CPUAllocator: posix_memalign returned ENOMEM (12)
+                           r"|posix_memalign\(.*\)\s*==\s*0\.?\s*12 vs 0")
+# /dev/shm exhausted: DataLoader workers pass batches through shared memory.
+_SHM_RE = re.compile(r"insufficient shared memory|out of shared memory|killed by signal: Bus error"
+                     r"|unable to write to file </torch_\w+>")
+_RAY_HOST_OOM_RE = re.compile(r"node running low on memory|Memory on the node .* was \S+ / \S+")
 _CPU_TRIED_RE = re.compile(r"you tried to allocate (\d+) bytes")
 _BAD_ALLOC_RE = re.compile(r"std::bad_alloc")
-KERNEL_OOM_RE = re.compile(
-    r"Out of memory: Kill(?:ed)? process (?P<pid>\d+)|Memory cgroup out of memory|invoked oom-killer"
-    r"|oom-kill:|oom_kill_process"
-)
 
 # --- device faults --------------------------------------------------------
 _DEVICE_RULES: tuple[tuple[str, re.Pattern[str], str | None], ...] = (
@@ -279,6 +323,8 @@ _DEVICE_RULES: tuple[tuple[str, re.Pattern[str], str | None], ...] = (
     ("fallen_off_bus", re.compile(r"fallen off the bus"), None),
     ("launch_failure", re.compile(r"unspecified launch failure|\bhipErrorLaunchFailure\b"), None),
     ("kernel_fault", re.compile(r"(?:CUDA|HIP) error: (?:misaligned address|an illegal instruction was encountered)"), None),
+    # nvidia-smi / NVML can no longer reach the GPU: it fell off the bus or its driver state is lost.
+    ("gpu_lost", re.compile(r"Unable to determine the device handle for (?:GPU|gpu)|\bGPU is lost\b"), "cuda"),
 )
 
 # --- comm -----------------------------------------------------------------
@@ -297,6 +343,7 @@ _IPC_RE = re.compile(
 _NCCL_ERR_RE = re.compile(
     r"\bncclUnhandledCudaError\b|\bncclSystemError\b|\bncclInternalError\b|\bncclRemoteError\b"
     r"|NCCL [Ee]rror|DistBackendError|NCCL communicator was aborted|ProcessGroupNCCL is aborted"
+    r"|NCCL WARN (?:Cuda|HIP|Hip) failure"
 )
 _SOCKET_RE = re.compile(
     r"Rendezvous\w*Error|DistNetworkError|DistStoreError|socket has timed out|EADDRINUSE"
@@ -317,7 +364,7 @@ _OFFLINE_RE = re.compile(r"outgoing traffic has been disabled|HF_HUB_OFFLINE|loc
 
 # --- config ---------------------------------------------------------------
 _CONFIG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("unknown_keys", re.compile(r"Some keys are not used by the HfArgumentParser: (?P<detail>\[.*?\])")),
+    ("unknown_keys", re.compile(r"Some (?:keys|specified arguments) are not used by the HfArgumentParser: (?P<detail>\[.*?\])")),
     (
         "model_not_found",
         re.compile(
@@ -330,7 +377,7 @@ _CONFIG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
         "dataset_not_found",
         re.compile(
             r"Undefined dataset (?P<detail>\S+) in|Cannot open \S*dataset_info\.json|File \S+ not found\."
-            r"|Cannot find valid samples|DatasetNotFoundError"
+            r"|Cannot find valid samples|DatasetNotFoundError|Please specify dataset for"
         ),
     ),
     ("template_not_found", re.compile(r"Template (?P<detail>\S+) does not exist")),
@@ -353,7 +400,8 @@ _DISK_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("quota", re.compile(r"Disk quota exceeded|\[Errno 122\]")),
     (
         "checkpoint_write_failed",
-        re.compile(r"PytorchStreamWriter failed writing file|unexpected pos \d+ vs \d+|file write failed"),
+        re.compile(r"PytorchStreamWriter failed writing file|unexpected pos \d+ vs \d+|file write failed"
+                   r"|write\(\): fd \d+ failed with"),
     ),
 )
 
@@ -362,17 +410,30 @@ _LOSS_SCALE_MIN_RE = re.compile(r"Current loss scale already at minimum")
 _NAN_DETECTED_RE = re.compile(
     r"returned nan values in its \d+\w* output|Loss is (?:nan|inf)\b|non-finite loss|[Ll]oss became (?:NaN|nan|inf)"
 )
-_NAN_LOSS_RE = re.compile(r"""['"]loss['"]:\s*(?:nan|-?inf)\b|\bloss\s*[=:]\s*(?:nan|-?inf)\b""")
+_NAN_LOSS_RE = re.compile(r"""['"]loss['"]:\s*(?:nan|-?inf)\b|loss\w*\s*[=:]\s*(?:nan|-?inf)\b""")
 
 # --- crashes and kills ----------------------------------------------------
+# The word the shell prints for a job ended by SIGKILL: glibc's strsignal(SIGKILL) in every locale
+# glibc ships (libc.po), so a zh_CN box's "已杀死" reads like "Killed".
+KILLED_WORDS = (
+    "Killed", "Getötet", "Processus arrêté", "Terminado (killed)", "Ucciso", "Morto", "Matat", "Matado", "Убито",
+    "Вбито", "Забіты", "Убијен", "已杀死", "強制結束", "強制終了", "죽었음", "Unicestwiony", "Geëlimineerd", "Dræbt",
+    "Drept", "Dödad", "Tapettu", "Zabit (SIGKILL)", "Zabitý", "Pobit", "Ubijen", "Kilőve", "Σκοτώθηκε",
+    "Süreç durduruldu", "Terbunuh", "Buĉita", "Bị buộc kết thúc", "Nutraukta (killed)", "Безусловно прекъснат",
+)
+_KILLED_ALT = "|".join(re.escape(w) for w in KILLED_WORDS)
 _SIGKILL_RE = re.compile(
-    r"exitcode\s*:?\s*-9\b|Signal 9 \(SIGKILL\)|killed by signal: Killed|^Killed$|received signal SIGKILL"
+    r"exitcode\s*:?\s*-9\b|Signal 9 \(SIGKILL\)|killed by signal: Killed|received signal SIGKILL"
+    # DeepSpeed's launcher; subprocess and torchelastic name the signal
+    r"|exits with return code = -9\b|Signals\.SIGKILL\b|got signal: 9\b"
+    # the shell's job report: "Killed", "./run.sh: line 5:  1234 Killed   python x.py", or glued to a tqdm bar
+    rf"|(?:^|\])(?:{_KILLED_ALT})(?:\s+\(core dumped\))?$|:\s*\d+\s+(?:{_KILLED_ALT})(?:\s|$)"
 )
 _EXITCODE_RE = re.compile(r"exitcode\s*:?\s*(-?\d+)")
 _LOCAL_RANK_RE = re.compile(r"local_rank:\s*(\d+)")
 _SEGV_RE = re.compile(r"Segmentation fault|SIGSEGV|exitcode\s*:?\s*-11\b|Signal 11\b")
 _ABORT_RE = re.compile(r"Aborted \(core dumped\)|SIGABRT|exitcode\s*:?\s*-6\b|Signal 6\b|Fatal Python error: Aborted|terminate called after throwing")
-_BUS_RE = re.compile(r"[Bb]us error|SIGBUS|insufficient shared memory")
+_BUS_RE = re.compile(r"[Bb]us error|SIGBUS")
 _DEVICE_ASSERT_RE = re.compile(r"device-side assert triggered")
 _CHILD_FAILED_RE = re.compile(r"ChildFailedError")
 
@@ -409,12 +470,50 @@ def gpu_oom_numbers(text: str) -> dict[str, int]:
         nums["device_index"] = int(d.group(1))
     this_process = "process_in_use" in nums  # "this process has X memory in use"
     procs = [parse_size(p) or 0 for p in _PROCESS_RE.findall(text)]
-    if procs and "process_in_use" not in nums:
-        nums["process_in_use"] = max(procs)
     if this_process and {"total_capacity", "free"} <= nums.keys():
         # What neither this process nor the free pool holds: other processes (or the driver).
         nums["held_by_others"] = max(0, nums["total_capacity"] - nums["free"] - nums["process_in_use"])
+    elif {"total_capacity", "free"} <= nums.keys():
+        _infer_foreign(nums, procs)
     return nums
+
+
+# Memory a process holds outside its PyTorch allocator: the CUDA/HIP context, cuBLAS/MIOpen
+# workspaces, NCCL/RCCL buffers. Beyond this much, memory the allocator does not hold is taken for
+# someone else's (the message cannot tell another process from our own non-PyTorch memory).
+NON_PYTORCH_ALLOWANCE_MIN = 2 * 1024**3
+NON_PYTORCH_ALLOWANCE_FRACTION = 0.03
+
+
+def _infer_foreign(nums: dict[str, int], procs: list[int]) -> None:
+    """Memory held by others when the message has no "this process" figure.
+
+    Inside a container NVML's pids are not the container's, so PyTorch lists every process as
+    "Process N has X memory in use" and none as "this process"; on ROCm no process is listed at all.
+    What the message still proves: total - free - reserved by PyTorch is memory this allocator does
+    not hold. A listed process whose use covers PyTorch's reservation (the smallest such) is ours;
+    the rest of the GPU's used memory is others'. With no list, only what exceeds a context's
+    overhead (NON_PYTORCH_ALLOWANCE) is counted as others'.
+    """
+    reserved = None
+    if "allocated_by_pytorch" in nums:
+        reserved = nums["allocated_by_pytorch"] + nums.get("reserved_unallocated", 0)
+    elif "reserved_total" in nums:
+        reserved = nums["reserved_total"]
+    if reserved is None:
+        return
+    used = nums["total_capacity"] - nums["free"]
+    nums["not_held_by_pytorch"] = max(0, used - reserved)
+    ours = min((p for p in procs if p >= reserved), default=None)
+    if ours is not None:
+        nums["process_in_use"] = ours
+        others = used - ours
+    else:
+        allowance = max(NON_PYTORCH_ALLOWANCE_MIN, int(NON_PYTORCH_ALLOWANCE_FRACTION * nums["total_capacity"]))
+        others = used - reserved - allowance
+    if others > 0:
+        nums["held_by_others"] = others
+        nums["held_by_others_inferred"] = 1
 
 
 # Substrings at least one of which every rule's match contains. Candidate lines
@@ -442,6 +541,10 @@ _RULE_TRIGGERS = (
     "OOM when allocating", "RESOURCE_EXHAUSTED", "Malloc failed", "failed to allocate", "unable to allocate",
     "out of resource", "checkTimeout", "Timeout at NCCL work", "watchdogHandler", "ncclCommWatchdog",
     "IpcOpenMemHandle", "IpcGetMemHandle", "IPC handle", "ImportShareableBuffer",
+    "OUT_OF_MEMORY", "hipError_t(1002)", "hipErrorMemoryAllocation", "Resource exhausted", "posix_memalign",
+    "unable to write to file", "running low on memory", "Unable to determine the device handle", "GPU is lost",
+    "NCCL WARN", "Some specified arguments", "Please specify dataset", "return code = -9", "Signals.SIGKILL",
+    "got signal: 9", ":nan", *KILLED_WORDS,
     "name resolution", "NameResolution", "Failed to resolve", "service not known", "TimeoutError", "MaxRetryError",
     "ConnectionError", "Connection aborted", "connect to", "unreachable", "HTTP Error 50", "Server Error",
     "check your connection", "Internet connection", "SSLError", "ProxyError",
@@ -474,7 +577,16 @@ def classify(seg: Segment) -> list[Hit]:
                     ROOT if exc_form else HINT, "allocator", fatal=exc_form,
                     numbers=gpu_oom_numbers(t), vendor=vendor, exc=seg.exc)
             )
-    if "emory" in t or "lloc" in t or "ALLOC" in t or "RESOURCES" in t:
+        elif exc == "OutOfMemoryError" and not (seg.exc or "").startswith("ray."):
+            # The class says it even where the message was cut (or wrapped by Ray: RayTaskError(OutOfMemoryError)).
+            hits.append(Hit("torch_oom", Category.GPU_OOM, ROOT, "allocator", fatal=True,
+                            numbers=gpu_oom_numbers(t), exc=seg.exc))
+    if exc == "OutOfMemoryError" and (seg.exc or "").startswith("ray.") or (
+            "low on memory" in t and _RAY_HOST_OOM_RE.search(t)):
+        # Ray's memory monitor killed a worker: the node's host memory, not a GPU.
+        hits.append(Hit("ray_host_oom", Category.HOST_OOM, ROOT, "ray_memory_monitor", fatal=exc_form,
+                        vendor="cpu", exc=seg.exc))
+    if "emory" in t or "lloc" in t or "ALLOC" in t or "RESOURCES" in t or "MEMORY" in t:
         m = _DRIVER_OOM_RE.search(t)
         if m and not (hits and hits[0].rule.startswith("torch_oom")):
             vendor = {"CUDA": "cuda", "HIP": "hip", "Cuda": "cuda", "Hip": "hip"}.get(m.group("vendor") or m.group("nccl") or "")
@@ -516,11 +628,11 @@ def classify(seg: Segment) -> list[Hit]:
             host = re.search(r"by allocator (?:cpu|mklcpu)|device:CPU", t)
             hits.append(Hit("tf_oom", Category.HOST_OOM if host else Category.GPU_OOM, ROOT, "tensorflow",
                             fatal=exc_form, vendor="cpu" if host else None, exc=seg.exc))
-    if "RESOURCE_EXHAUSTED" in t:
+    if "RESOURCE_EXHAUSTED" in t or "Resource exhausted" in t:
         m = _XLA_OOM_RE.search(t)
-        if m:
+        if m and not any(h.category is Category.GPU_OOM for h in hits):
             hits.append(Hit("xla_oom", Category.GPU_OOM, ROOT, "xla", fatal=exc_form,
-                            numbers={"tried_to_allocate": int(m.group(1))}, exc=seg.exc))
+                            numbers={"tried_to_allocate": int(m.group(1))} if m.group(1) else {}, exc=seg.exc))
     if "alloc" in t or "Malloc" in t:
         m = _GGML_OOM_RE.search(t)
         if m and not any(h.category is Category.GPU_OOM for h in hits):
@@ -557,6 +669,12 @@ def classify(seg: Segment) -> list[Hit]:
         hits.append(Hit("cpu_alloc" if exc_form else "cpu_alloc_mention", Category.HOST_OOM,
                         ROOT if exc_form else HINT, "cpu_allocator", fatal=exc_form, numbers=nums,
                         vendor="cpu", exc=seg.exc))
+    if ("shared memory" in t or "Bus error" in t or "</torch_" in t) and _SHM_RE.search(t):
+        hits.append(Hit("shm_exhausted", Category.HOST_OOM, ROOT, "shared_memory", fatal=exc_form, vendor="cpu",
+                        exc=seg.exc))
+    if "posix_memalign" in t and _CPU_ALLOC_RE.search(t) and not any(h.rule == "cpu_alloc" for h in hits):
+        hits.append(Hit("cpu_alloc" if exc_form else "cpu_alloc_mention", Category.HOST_OOM,
+                        ROOT if exc_form else HINT, "cpu_allocator", fatal=exc_form, vendor="cpu", exc=seg.exc))
     if exc == "MemoryError":
         hits.append(Hit("memory_error", Category.HOST_OOM, ROOT, "python_memory_error", fatal=True, vendor="cpu", exc=seg.exc))
     if "bad_alloc" in t and _BAD_ALLOC_RE.search(t):

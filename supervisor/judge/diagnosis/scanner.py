@@ -28,6 +28,7 @@ from supervisor.judge.diagnosis import rules
 from supervisor.judge.diagnosis.conclude import conclude
 from supervisor.judge.diagnosis.fastre import LiteralScanner, compile_search
 from supervisor.judge.diagnosis.findings import Finding, ScanState
+from supervisor.judge.diagnosis.prefixes import PrefixModel
 from supervisor.judge.diagnosis.rules import (
     ANSI_RE,
     CONTEXT_MARKERS,
@@ -70,7 +71,29 @@ _LOGGED_GRAD_RE = re.compile(r"""['"]grad_norm['"]:\s*(?:np\.float\d+\()?(?:tens
 # LLaMA-Factory's or transformers' logger writes ("[INFO|...", "[WARNING|...").
 _SAMPLE_HEADER_RE = re.compile(
     rb"(?:\[(?:rank|default)\d+\]: ?)?(?:(?:training|eval) example:|(?:chosen_|rejected_)?input_ids:)[ \t]*\r?\n")
-_SAMPLE_END_RE = re.compile(rb"(?m)^(?:\[(?:rank|default)\d+\]: ?)?\[(?:INFO|WARNING|ERROR|DEBUG|CRITICAL)\|")
+# It also ends at a tqdm bar at a line start (tqdm writes every refresh as "\r" + bar; printed
+# text does not start a line with "\r"): the program went on to run.
+_LEVELS = rb"(?:INFO|WARNING|ERROR|DEBUG|CRITICAL)"
+_SAMPLE_END_RE = re.compile(
+    rb"(?m)^(?:\[(?:rank|default)\d+\]: ?)?(?:\[" + _LEVELS + rb"\||\r[^\n]{0,100}?\d{1,3}%\|)")
+# Other logger formats and a traceback at a line start end a block PROVISIONALLY: the block's decoded
+# text may itself hold them (a dataset of logs). The lines from there on are held back, unread, until
+# the program's own output confirms the end (a definite end line, the end of the log, HOLD_MAX_*) or the
+# sample shows it went on (a section header, an end-of-sequence token): held lines are then read
+# (late: never a live teardown), or skipped as sample text.
+_SAMPLE_SOFT_END_RE = re.compile(
+    rb"(?m)^(?:\[(?:rank|default)\d+\]: ?)?(?:Traceback \(most recent call last\):"
+    rb"|\[\d{4}-\d\d-\d\d[ T][\d:.,]+\]\s*\[" + _LEVELS + rb"\]"
+    rb"|" + _LEVELS + rb"\s+\d\d-\d\d\s+\d\d:\d\d:\d\d"
+    rb"|\d{4}-\d\d-\d\d[ T][\d:.,]+\s*[-|]?\s*" + _LEVELS + rb"\b"
+    rb"|" + _LEVELS + rb":[\w.]+:"
+    rb"|[^\n]{0,100}?\d{1,3}%\|)")
+_SAMPLE_RESUME_RE = re.compile(
+    rb"(?m)^(?:(?:chosen_|rejected_)?(?:inputs|label_ids|labels|input_ids):[ \t]*\r?$"
+    rb"|(?:training|eval) example:"
+    rb"|.*(?:<\|[A-Za-z0-9_]+\|>|</s>|<eos>|<end_of_turn>)[ \t]*\r?$)")
+HOLD_MAX_LINES = 400
+HOLD_MAX_BYTES = 1 << 20
 # With a quieter logger (LLAMAFACTORY_VERBOSITY=WARN) no such line may follow: the block then also
 # ends after its last section ("labels:", pairwise "rejected_labels:"), whose decoded text is the
 # training target and ends with the tokenizer's end-of-sequence token.
@@ -86,11 +109,23 @@ _BAR_RE = re.compile(rb"%\|[^|\r\n]{0,200}\|\s*(\d+)/(\d+) \[")
 _MARKER_GATE = compile_search(
     r"Loading checkpoint shards|loading weights file|\*\*\*\*\*|Saving model checkpoint|Loading model from"
     r"|Continuing training|Resuming training|optimization steps|checkpoint-|skipped=|batch size of|OVERFLOW|local_rank"
-    r"|is ready now|Deleting older checkpoint|Gradient overflow"
+    r"|is ready now|Deleting older checkpoint|Gradient overflow|Loading weights|Load checkpoint|Loading checkpoint from"
+    r"|zero partition checkpoints|zero checkpoints|loading model tensors|etrying|falling back"
 )
 # A tqdm bar left without a newline, glued in front of the text that followed it.
 _BAR_PREFIX_RE = re.compile(r"^[^|\n]{0,120}\d+%\|[^|]{0,200}\|[^\]]{0,200}\]")
 
+
+# The end of a line that a second process split from its ": message" line.
+_TRAILING_EXC_RE = re.compile(r"((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception))\s*$")
+# PyTorch's NCCL watchdog thread ending with an exception (C++; no Python traceback).
+_WATCHDOG_EXC_RE = re.compile(r"[Ww]atchdog thread terminated with exception:")
+# A runtime that says it aborts the process: ROCr's queue callback, HSA's memory access fault.
+_RUNTIME_ABORT_RE = re.compile(r"Queue 0x[0-9a-f]+ aborting with error|Memory access fault by GPU node-?\d+")
+# An exception raised while the arguments were parsed or validated is a configuration error.
+_RETRY_RE = re.compile(r"\b[Rr]etrying (?:with|without)\b|\bfalling back (?:to|on)\b")
+RETRY_WINDOW = 8
+_CONFIG_FRAME_RE = re.compile(r"llamafactory/hparams/|transformers/hf_argparser\.py|transformers/training_args\.py")
 
 _PREFILTER = LiteralScanner([k.encode() for k in _KEYWORDS if not any(o != k and o in k for o in _KEYWORDS)])
 _PIECE_FILTER = compile_search(_PREFILTER_PATTERN)  # one short \r-piece at a time
@@ -164,6 +199,7 @@ class LogScanner:
         self._context_step: int | None = None  # the step a checkpoint-save marker named
         self._tb_at: dict[int | None, int] = {}  # rank -> line of its open traceback's last frame
         self._exc_at: dict[int | None, int] = {}  # rank -> line of the exception that closed its traceback
+        self._exc_form: dict[int | None, str] = {}  # rank -> "traceback" or "cut" for that exception
         self._sample_bytes: int | None = None  # bytes read of the open printed-sample block, if any
         self._sample_final = False  # the open block's last section (labels) has begun
         self.samples_skipped = 0  # printed sample blocks ignored
@@ -183,6 +219,20 @@ class LogScanner:
         self._exc_until = 0  # last line that may still belong to a closing exception's message
         self._skipped: dict[bytes, tuple[int, bytes]] = {}  # shape -> its latest skipped line, read at state()
         self._replaying = False
+        self._prefixes = PrefixModel()  # line prefixes learned from traceback headers
+        self._cut: set[int | None] = set()  # ranks whose open traceback began without its header
+        self._chain: dict[int | None, int] = {}  # rank -> chain id of its open/last traceback
+        self._chain_mark: dict[int | None, int] = {}  # rank -> line of "During handling of the above exception"
+        self._chains = 0
+        self._cxx_at: dict[int | None, int] = {}  # rank -> line of "terminate called after throwing"
+        self._last_tb_phase: dict[int | None, tuple[int, Phase]] = {}  # rank -> (line, phase) of its last exception
+        self._prev_tail = b""  # the end of the last line read (a split "ValueError" / ": message" pair)
+        self._hold: list[bytes] | None = None  # lines held after a traceback ended a sample block
+        self._hold_lines = 0
+        self._hold_bytes = 0
+        self._last_advance_line = 0
+        self._sample_lines: deque[tuple[int, int]] = deque(maxlen=32)  # line ranges of printed samples
+        self._scale_run: tuple[int, float, int, int] | None = None
 
     # ------------------------------------------------------------------ API
     @property
@@ -245,6 +295,11 @@ class LogScanner:
     def finish(self, exit: ExitRecord | None = None, host: HostEvidence | None = None) -> Diagnosis:
         """Flush the partial line and conclude (see conclude.py). Callable on a bare excerpt, and repeatedly."""
         if not self._flushed:
+            if self._hold is not None:  # the log ended: what followed the sample is the program's
+                try:
+                    self._release_hold()
+                except Exception:  # noqa: BLE001 - see feed()
+                    self.internal_errors += 1
             if self._partial:
                 data, self._partial = self._partial + b"\n", b""
                 try:
@@ -289,6 +344,10 @@ class LogScanner:
             min_loss_scale_overflows=self._min_scale_overflows,
             internal_errors=self.internal_errors,
             samples_skipped=self.samples_skipped,
+            prefixes=self._prefixes.patterns,
+            sample_lines=tuple(self._sample_lines),
+            last_advance_line=self._last_advance_line,
+            scale_run=self._scale_run,
         )
 
     # ------------------------------------------------------------ bytes level
@@ -300,6 +359,8 @@ class LogScanner:
         """
         block = LONG_LINE + OVERLAP
         while len(data) - start >= block and data.find(b"\n", start, start + block) < 0:
+            if self._hold is not None:
+                self._release_hold()
             self._rs = start
             if self._sample_bytes is not None:  # a token-id list of a printed sample: not evidence
                 self._sample_bytes += LONG_LINE
@@ -320,6 +381,9 @@ class LogScanner:
                 stop = self._sample_stop(buf, pos, end)
                 self._skip_lines(buf, pos, stop)
                 pos = stop
+                continue
+            if self._hold is not None:
+                pos = self._hold_region(buf, pos, end)
                 continue
             h = self._sample_header(buf, pos, end)
             stop = end if h < 0 else h
@@ -348,12 +412,62 @@ class LogScanner:
                 p = buf.find(needle, p + 1, end)
         return best
 
+    def _hold_region(self, buf: bytes, pos: int, end: int) -> int:
+        """Lines after a provisional sample end: hold them until it is known whose they are."""
+        assert self._hold is not None
+        if self._hold_lines == 0:  # the line that ended the block provisionally is held, not re-matched
+            nl = buf.index(b"\n", pos, end) + 1
+            self._hold.append(buf[pos:nl])
+            self._hold_lines, self._hold_bytes = 1, nl - pos
+            pos = nl
+            if pos >= end:
+                return pos
+        # Only the program's unmistakable output confirms the end (a sample may hold several soft ends).
+        d = _SAMPLE_END_RE.search(buf, pos, end)
+        r = _SAMPLE_RESUME_RE.search(buf, pos, d.start() if d else end)
+        if r is not None:  # the sample went on: the held lines were its text
+            held = b"".join(self._hold)
+            self._hold = None
+            self._skip_lines(held, 0, len(held))
+            self._skip_lines(buf, pos, r.start())
+            self._sample_bytes = self._hold_bytes + (r.start() - pos)
+            self._sample_final = False
+            return r.start()
+        stop = d.start() if d else end
+        # the budget, counted in whole lines, so chunking cannot change where it runs out
+        p = pos
+        while p < stop:
+            nl = buf.find(b"\n", p, stop)
+            nl = stop - 1 if nl < 0 else nl
+            self._hold_lines += 1
+            self._hold_bytes += nl + 1 - p
+            if self._hold_lines > HOLD_MAX_LINES or self._hold_bytes > HOLD_MAX_BYTES:
+                self._hold.append(buf[pos:nl + 1])
+                self._release_hold()
+                return nl + 1
+            p = nl + 1
+        self._hold.append(buf[pos:stop])
+        if d is not None:
+            self._release_hold()
+        return stop
+
+    def _release_hold(self) -> None:
+        """The held lines are the program's output after all: read them."""
+        held = b"".join(self._hold or ())
+        self._hold = None
+        if held:
+            self._scan_plain(held, 0, len(held), [])  # read late: never a live teardown
+
     def _sample_stop(self, buf: bytes, pos: int, end: int) -> int:
         """Where the open sample block ends in buf[pos:end] (a line start), closing it if it does."""
         assert self._sample_bytes is not None
         m = _SAMPLE_END_RE.search(buf, pos, end)
-        stop = m.start() if m else end
-        closed = m is not None
+        t = _SAMPLE_SOFT_END_RE.search(buf, pos, m.start() if m else end)
+        if t is not None:
+            m = None
+        stop = t.start() if t is not None else (m.start() if m else end)
+        closed = m is not None or t is not None
+        soft = t is not None  # closed provisionally: hold what follows
         final_from = pos
         if not self._sample_final:
             f = _SAMPLE_FINAL_RE.search(buf, pos, stop)
@@ -363,15 +477,17 @@ class LogScanner:
             e = _SAMPLE_EOS_RE.search(buf, final_from, stop)
             if e is not None:
                 nl = buf.find(b"\n", e.end(), end)
-                stop, closed = (end if nl < 0 else nl + 1), True
+                stop, closed, soft = (end if nl < 0 else nl + 1), True, False
         budget = SAMPLE_MAX_BYTES - self._sample_bytes
         if stop - pos > budget:  # too long for a sample: end it at the next line start past the budget
             nl = buf.find(b"\n", pos + max(0, budget), end)
             stop = end if nl < 0 else nl + 1
-            closed = True
+            closed, soft = True, False
         self._sample_bytes += stop - pos
         if closed:
             self._sample_bytes = None
+            if soft:
+                self._hold, self._hold_lines, self._hold_bytes = [], 0, 0
         return stop
 
     def _skip_lines(self, buf: bytes, start: int, end: int) -> None:
@@ -382,6 +498,13 @@ class LogScanner:
         nlines = buf.count(b"\n", start, end)
         self._lines = base + nlines
         self._remember_tail(buf, start, end, base, nlines)
+        self._prev_tail = self._last_line_end(buf, start, end)
+        if nlines:
+            r = self._sample_lines[-1] if self._sample_lines else None
+            if r is not None and r[1] == base:
+                self._sample_lines[-1] = (r[0], base + nlines)
+            else:
+                self._sample_lines.append((base + 1, base + nlines))
 
     def _scan_plain(self, buf: bytes, start: int, end: int, fatal: list[Evidence]) -> None:
         self._region += 1
@@ -402,6 +525,21 @@ class LogScanner:
         self._scan_progress(buf, start, end, base, nlines)
         self._lines = base + nlines
         self._remember_tail(buf, start, end, base, nlines)
+        self._prev_tail = self._last_line_end(buf, start, end)
+
+    @staticmethod
+    def _last_line_end(buf: bytes, start: int, end: int) -> bytes:
+        stop = end - 1 if end > start and buf[end - 1:end] == b"\n" else end
+        ls = buf.rfind(b"\n", start, stop) + 1 or start
+        return buf[max(ls, stop - 80):stop]
+
+    def _prev_line_end(self, buf: bytes, ls: int) -> bytes:
+        """The last bytes of the line before the one starting at `ls` (possibly from an earlier region)."""
+        if ls <= self._rs:
+            return self._prev_tail
+        stop = ls - 1
+        p = buf.rfind(b"\n", self._rs, stop) + 1 or self._rs
+        return buf[max(p, stop - 80):stop]
 
     def _scan_matches(self, buf: bytes, start: int, end: int, first_line: int, fatal: list[Evidence], *,
                       count_lines: bool) -> int:
@@ -468,32 +606,50 @@ class LogScanner:
 
     # ------------------------------------------------------------- line level
     def _handle_segment(self, raw: str, line_no: int, buf: bytes, ls: int, fatal: list[Evidence]) -> None:
-        seg = split_prefix(raw)
+        seg = split_prefix(raw, self._prefixes)
         t = seg.text
         if self._replaying:  # a skipped line of a known shape: only its findings (as the latest), no state
             for hit in classify(seg):
-                self._record(hit, seg, line_no, buf, ls, [], False)
+                self._record(hit, seg, line_no, buf, ls, [], "")
             return
         if 'File "' in t or "Traceback" in t or (t.startswith("{") and "loss" in t) or _MARKER_GATE.search(t):
             self._cacheable = False
         if 'File "' in t:
             fm = FRAME_RE.search(t)
             if fm:
+                if seg.rank not in self._tb_at and not (seg.rank is not None and None in self._tb_at):
+                    # A frame with no traceback open: its header was cut (a pasted or rotated log).
+                    self._open_traceback(seg.rank, line_no, cut=True)
                 frames = self._frames.setdefault(seg.rank, deque(maxlen=MAX_FRAMES))
                 frames.append((fm.group("func"), fm.group("path")))
                 if fm.group("func") in FRAME_PHASES:  # kept beyond MAX_FRAMES: outer frames say the phase
                     self._tb_phases.setdefault(seg.rank, set()).add(FRAME_PHASES[fm.group("func")])
                 if seg.rank in self._tb_at:
                     self._tb_at[seg.rank] = line_no
+                elif None in self._tb_at:
+                    self._tb_at[None] = line_no
                 if "/rocm" in fm.group("path") or "hip" in fm.group("path").rsplit("/", 1)[-1]:
                     self._hip = True
                 return
         if "Traceback (most recent call last)" in t:
-            self._frames.pop(seg.rank, None)
-            self._tb_phases.pop(seg.rank, None)
-            self._tb_at[seg.rank] = line_no
-            self._exc_at.pop(seg.rank, None)
+            i = t.find("Traceback (most recent call last)")
+            if i > 0 and "%|" not in t[:i]:
+                self._prefixes.learn(t[:i])  # this stream's prefix: read its next lines past it
+                seg = split_prefix(raw, self._prefixes)
+            self._open_traceback(seg.rank, line_no, cut=False)
             return
+        if "above exception" in t and ("During handling of the above exception" in t
+                                       or "The above exception was the direct cause" in t):
+            self._chain_mark[seg.rank] = line_no
+            return
+        if "terminate called after throwing" in t:
+            self._cxx_at[seg.rank] = line_no
+        if seg.exc is None and t.startswith(": ") and not self._replaying:
+            # Two processes writing one stream split "ValueError" and ": message" onto two lines.
+            m = _TRAILING_EXC_RE.search(self._prev_line_end(buf, ls).decode("utf-8", "replace"))
+            if m:
+                seg = Segment(text=m.group(1) + t, raw=raw, rank=seg.rank, exc=m.group(1), exc_msg=t[2:])
+                t = seg.text
         if not self._hip and rules.HIP_RE.search(raw):
             self._hip = True
         if not self._cuda and rules.CUDA_RE.search(raw):
@@ -504,7 +660,7 @@ class LogScanner:
         if self._overflow_storm and not self._numeric_fired:
             self._numeric_fired = True
             self._record(Hit("numeric_run", Category.NUMERIC, rules.ROOT, "repeated_overflow", fatal=True),
-                         seg, line_no, buf, ls, fatal, structural=True)
+                         seg, line_no, buf, ls, fatal, "traceback")
             first, last = self._overflow_steps[0], self._overflow_steps[-1]
             self._latest["numeric_run"].notes.append(
                 f"{len(self._overflow_steps)} gradient overflows (skipped steps) between steps {first} and {last},"
@@ -514,16 +670,31 @@ class LogScanner:
             # (Early calibration halves it from 65536 by a few steps; it does not reach 1.)
             self._numeric_fired = True
             self._record(Hit("numeric_run", Category.NUMERIC, rules.ROOT, "loss_scale_at_minimum", fatal=True),
-                         seg, line_no, buf, ls, fatal, structural=True)
+                         seg, line_no, buf, ls, fatal, "traceback")
             self._latest["numeric_run"].notes.append(f"{NUMERIC_RUN} gradient overflows at the minimum loss scale")
-        structural = self._structural(seg, line_no)
+        form = self._structural(seg, line_no)
         for hit in classify(seg):
-            self._record(hit, seg, line_no, buf, ls, fatal, structural)
+            self._record(hit, seg, line_no, buf, ls, fatal, form)
         # An exception line closes that rank's traceback (or the unprefixed one it used).
         if seg.exc is not None and self._frames.pop(seg.rank, None) is None and seg.rank is not None:
             self._frames.pop(None, None)
         if seg.exc is not None and self._tb_phases.pop(seg.rank, None) is None and seg.rank is not None:
             self._tb_phases.pop(None, None)
+
+    def _open_traceback(self, rank: int | None, line_no: int, *, cut: bool) -> None:
+        """A traceback begins (its header, or a frame whose header is not in the log)."""
+        self._frames.pop(rank, None)
+        self._tb_phases.pop(rank, None)
+        self._tb_at[rank] = line_no
+        self._exc_at.pop(rank, None)
+        if cut:
+            self._cut.add(rank)
+        else:
+            self._cut.discard(rank)
+        mark = self._chain_mark.pop(rank, None)
+        if mark is None or line_no - mark > 3 or rank not in self._chain:
+            self._chains += 1
+            self._chain[rank] = self._chains
 
     def _track_logged_step(self, t: str, seg: Segment, line_no: int, buf: bytes, ls: int,
                            fatal: list[Evidence]) -> None:
@@ -556,37 +727,56 @@ class LogScanner:
         sub = "zero_loss" if all(w == "loss 0.0" for _, _, w in run) else (
             "nan_loss" if all(w.startswith("loss") for _, _, w in run) else "nonfinite_grad_norm")
         hit = Hit("numeric_run", Category.NUMERIC, rules.ROOT, sub, fatal=True)
-        self._record(hit, seg, line_no, buf, ls, fatal, structural=True)
+        self._record(hit, seg, line_no, buf, ls, fatal, "traceback")
         self._latest["numeric_run"].notes.append(
             f"{NUMERIC_RUN} logged steps in a row with {', '.join(w for _, _, w in run)} (lines "
             + ", ".join(str(n) for n, _, _ in run) + ")")
 
-    def _structural(self, seg: Segment, line_no: int) -> bool:
-        """Is this line an exception that ends a traceback block (or part of that exception's message)?
+    def _structural(self, seg: Segment, line_no: int) -> str:
+        """How this line stands: "traceback" / "cut" (an exception ending a traceback block, or a line of
+        that exception's message), "cxx" (a C++ exception's what() after `terminate called`, a watchdog
+        thread ending with an exception), "runtime" (a runtime announcing its own abort), "" (text).
 
-        The traceback is the same rank's (a rank-prefixed exception may close an unprefixed
-        one); its last frame must be at most TB_GAP lines before (the frame's code and caret
-        lines come between). Lines printed like an exception anywhere else are text.
+        The traceback is the same rank's (a rank-prefixed exception may close an unprefixed one); its
+        last frame must be at most TB_GAP lines before (the frame's code and caret lines come between).
+        Lines printed like an exception anywhere else are text.
         """
         if seg.exc is not None:
             key = seg.rank if seg.rank in self._tb_at else (None if None in self._tb_at else seg.rank)
             at = self._tb_at.pop(key, None)
             if at is not None and 0 <= line_no - at <= TB_GAP:
+                form = "cut" if key in self._cut else "traceback"
+                self._cut.discard(key)
                 self._exc_at[seg.rank] = line_no
+                self._exc_form[seg.rank] = form
+                if key != seg.rank and key in self._chain:
+                    self._chain[seg.rank] = self._chain[key]
                 self._exc_until = max(self._exc_until, line_no + EXC_MESSAGE_LINES)
                 self._cacheable = False
-                return True
+                return form
         at = self._exc_at.get(seg.rank)
+        rank = seg.rank
         if at is None and seg.rank is not None:
-            at = self._exc_at.get(None)
-        return at is not None and 0 < line_no - at <= EXC_MESSAGE_LINES
+            at, rank = self._exc_at.get(None), None
+        if at is not None and 0 < line_no - at <= EXC_MESSAGE_LINES:
+            return self._exc_form.get(rank, "traceback")
+        t = seg.text
+        if t.startswith("what():"):
+            at = self._cxx_at.get(seg.rank, self._cxx_at.get(None))
+            if at is not None and 0 < line_no - at <= 3:
+                return "cxx"
+        if "terminated with exception" in t and _WATCHDOG_EXC_RE.search(t):
+            return "cxx"
+        if ("aborting with error" in t or "Memory access fault by GPU" in t) and _RUNTIME_ABORT_RE.search(t):
+            return "runtime"
+        return ""
 
     def _track_markers(self, t: str, line_no: int, buf: bytes, ls: int) -> None:
         if not _MARKER_GATE.search(t):
             return
         for rx, phase in CONTEXT_MARKERS:
             if rx.search(t):
-                if not (phase is Phase.TRAIN_STEP and self._context and self._context[0] is Phase.RESUME
+                if not (phase is Phase.TRAIN_STEP and self._context and self._context[0] is Phase.CHECKPOINT_LOAD
                         and self._context[1] > self._bar_line_before(buf, ls, line_no)):
                     self._context = (phase, line_no)
                     m = rules.CHECKPOINT_STEP_RE.search(t) if phase is Phase.CHECKPOINT_SAVE else None
@@ -612,13 +802,22 @@ class LogScanner:
         if "batch size of" in t and rules.RETRY_BATCH_RE.search(t):
             # transformers' auto_find_batch_size restarted the loop: earlier OOMs were handled.
             for w in self._watch:
-                if w.line_no < line_no:
+                if w.line_no < line_no and w.category in (Category.GPU_OOM, Category.HOST_OOM):
                     w.recovered = True
                     w.notes.append(f"the program restarted with a smaller batch at line {line_no}")
+        if ("etrying" in t or "falling back" in t) and _RETRY_RE.search(t):
+            # The program says it handles the OOM just printed (llama.cpp, vLLM, batch-size finders).
+            for w in self._watch:
+                if (w.category in (Category.GPU_OOM, Category.HOST_OOM) and not w.recovered
+                        and 0 <= line_no - w.line_no <= RETRY_WINDOW):
+                    w.recovered = True
+                    w.notes.append(f"the program said it retries at line {line_no}")
         if "OVERFLOW" in t or "Gradient overflow" in t:
             m = rules.LOSS_SCALE_RE.search(t) or rules.GRAD_OVERFLOW_RE.search(t)
             if m and float(m.group(1)) <= 1:
                 self._min_scale_overflows += 1
+            if m:
+                self._track_scale_run(m, line_no)
             step = self._step_before(buf, ls)
             if m and step is not None and step > CALIBRATION_STEPS:
                 self._overflow_steps.append(step)
@@ -630,8 +829,24 @@ class LogScanner:
             if m:
                 self._torchrun_rank = int(m.group(1))
 
+    def _track_scale_run(self, m: re.Match[str], line_no: int) -> None:
+        """A run of overflows, each lowering the fp16 loss scale from where the previous left it."""
+        if m.re is rules.LOSS_SCALE_RE:
+            attempted, new = float(m.group(1)), float(m.group(2)) if m.group(2) else float(m.group(1))
+        else:
+            attempted, new = None, float(m.group(1))
+        run = self._scale_run
+        if run is not None and ((attempted is not None and attempted == run[1])
+                                or (attempted is None and new < run[1])):
+            self._scale_run = (run[0] + 1, new, run[2], line_no)
+        else:
+            self._scale_run = (1, new, line_no, line_no)
+
     def _record(self, hit: Hit, seg: Segment, line_no: int, buf: bytes, ls: int, fatal: list[Evidence],
-                structural: bool = False) -> None:
+                form: str = "") -> None:
+        """Keep a hit as a finding. `form` says how the line stands (see _structural): any form is
+        decisive for the verdict; only an exception ending a traceback with its header is fatal live."""
+        structural = bool(form)
         seen = self._line_key[1]
         if hit.rule in seen:
             return
@@ -648,6 +863,9 @@ class LogScanner:
             funcs = " ".join(f for f, _ in frames)
             if hit.rule == "driver_oom" and rules._PINNED_RE.search(funcs + " " + paths):
                 hit = Hit("pinned_host_oom", Category.HOST_OOM, hit.tier, "pinned", fatal=True, vendor="cpu", exc=hit.exc)
+            if hit.rule == "python_exception" and structural and _CONFIG_FRAME_RE.search(frames[-1][1]):
+                # Raised while the arguments were parsed or validated (LLaMA-Factory's parser, HfArgumentParser).
+                hit = Hit("invalid_arguments", Category.CONFIG_ERROR, rules.ROOT, "invalid_arguments", exc=hit.exc)
             if "deepspeed/runtime/zero" in paths or "deepspeed/runtime/swap_tensor" in paths:
                 if "partition_parameters" in paths or "all_gather" in funcs or "fetch_sub_module" in funcs:
                     notes.append("inside DeepSpeed ZeRO-3 parameter gather")
@@ -661,15 +879,26 @@ class LogScanner:
             phase = next((p for p in PHASE_PRECEDENCE if tb_phases and p in tb_phases), None)
             if phase is None and frames:
                 phase = self._phase_from_frames(frames)
+        if seg.exc is not None and phase is not None:
+            self._last_tb_phase[seg.rank] = (line_no, phase)
+        if phase is None and form:
+            # A C++ abort right after a Python traceback of the same process happened where that one did.
+            prev = self._last_tb_phase.get(seg.rank) or self._last_tb_phase.get(None)
+            if prev is not None and 0 <= line_no - prev[0] <= 10:
+                phase = prev[1]
         if phase is None:
             phase = self._context_phase(buf, ls, line_no)
         text = _BAR_PREFIX_RE.sub("", seg.raw).strip() or seg.raw.strip()
         if len(text) > EVIDENCE_CHARS:
             text = text[:EVIDENCE_CHARS] + "..."
         self._seq += 1
+        chain = None
+        if form in ("traceback", "cut") and hit.exc is not None:
+            chain = self._chain.get(seg.rank, self._chain.get(None))
         f = Finding(hit=hit, line_no=line_no, text=text, rank=rank, phase=phase, seq=self._seq, notes=notes,
-                    structural=structural)
-        if hit.category in (Category.GPU_OOM, Category.HOST_OOM):
+                    structural=structural, chain=chain, form=form)
+        if hit.category in (Category.GPU_OOM, Category.HOST_OOM) or form in ("cut", "cxx", "runtime"):
+            # Watched: training that advances afterwards shows it was handled (or only printed).
             f.step_before = self._step_before(buf, ls)
             if len(self._watch) >= MAX_WATCH:
                 self._watch.pop(0)
@@ -683,7 +912,7 @@ class LogScanner:
         prev = self._latest.get(hit.rule)
         if prev is None or prev.line_no <= line_no:  # a replayed skipped line is older than a newer finding
             self._latest[hit.rule] = f
-        if hit.fatal and hit.tier != HINT and structural:
+        if hit.fatal and hit.tier != HINT and form == "traceback" and not self._replaying:
             fatal.append(f.evidence())
 
     # ------------------------------------------------------------ progress
@@ -722,6 +951,8 @@ class LogScanner:
         if step is None:
             return
         line = base + nlines - buf.count(b"\n", p, end) + 1
+        if self._last_step is None or step > self._last_step:
+            self._last_advance_line = max(self._last_advance_line, line)
         self._bump_step(step)
         self._last_bar_line = max(self._last_bar_line, line)
         for w in self._watch:
