@@ -3,10 +3,12 @@
 #   1. ./.venv (scripts/setup.sh);
 #   2. Chromium, for the morning report's page test (apt-get, as root or with sudo);
 #   3. the Slurm test clusters, each a script with `up` and `down` (CLUSTERS below);
-#   4. pytest, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`).
+#   4. pytest, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`);
+#   5. the daemon-side tests again on Python 3.10 (scripts/py310.sh; only without arguments).
 # Everything it starts is stopped when it exits, passed, failed or interrupted (trap).
 # OOM_SUPERVISOR_TEST_SLURM=0 leaves the clusters alone (their tests then skip; under CI=true
-# they fail, naming what is missing); OOM_SUPERVISOR_TEST_INSTALL=0 installs no package.
+# they fail, naming what is missing); OOM_SUPERVISOR_TEST_INSTALL=0 installs no package;
+# OOM_SUPERVISOR_TEST_PY310=0 skips step 5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,4 +49,8 @@ fi
 # Not exec: the trap stops the clusters when pytest is done.
 rc=0
 .venv/bin/python -m pytest -q -ra "$@" || rc=$?
+if [ $# -eq 0 ] && [ "${OOM_SUPERVISOR_TEST_PY310:-1}" != 0 ]; then
+  say "the daemon and CLI on Python 3.10 (scripts/py310.sh)"
+  bash scripts/py310.sh || { r=$?; [ "$rc" != 0 ] || rc=$r; }
+fi
 exit "$rc"

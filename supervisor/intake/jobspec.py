@@ -461,7 +461,10 @@ def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = Non
         raise JobFileError([_yaml_problem(exc)], source) from None
     except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as exc:
         # e.g. an integer of more than 4300 digits, a date like 2024-13-45
-        raise JobFileError([Problem("(file)", f"YAML value cannot be read: {str(exc)[:200]}")], source) from None
+        why = str(exc)[:200]
+        if "integer string conversion" in why:  # worded differently by Python 3.10 and 3.11
+            why = "an integer of more than 4300 digits (Python's limit; no setting needs one)"
+        raise JobFileError([Problem("(file)", f"YAML value cannot be read: {why}")], source) from None
     if not isinstance(data, dict):
         kind = "empty" if data is None else type(data).__name__
         raise JobFileError([Problem("(file)", f"a job file must be a YAML mapping, this one is {kind}")], source)
