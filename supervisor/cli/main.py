@@ -111,12 +111,22 @@ def _config(args: argparse.Namespace):
         raise SystemExit(EXIT_USAGE) from None
 
 
+def no_state_message(cfg) -> str:
+    """What `status`, `show` and the others say when the state folder has no record: the same
+    words, and where the state the user most likely means is (the demo's, run from this folder)."""
+    msg = f"no state at {cfg.state.root} (has the daemon run with this --state-dir?)"
+    demo = Path(".demo/state").resolve()
+    if (demo / "state.sqlite3").exists() and demo != cfg.state.root:
+        msg += (f"; the demo's state is {demo}: add `--state-dir {demo}`, or "
+                f"`export OOM_SUPERVISOR_STATE_DIR={demo} OOM_SUPERVISOR_SPOOL_DIR={demo.parent / 'spool'}`")
+    return msg
+
+
 def _store(cfg, *, must_exist: bool = True):
     from supervisor.record.store import Store
 
     if must_exist and not cfg.state.db.exists():
-        print(f"oom-supervisor: no state at {cfg.state.root} (has the daemon run with this --state-dir?)",
-              file=sys.stderr)
+        print(f"oom-supervisor: {no_state_message(cfg)}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
     return Store(cfg.state.db)
 
@@ -286,7 +296,7 @@ def cmd_status(args) -> int:
 
     cfg = _config(args)
     if not cfg.state.db.exists():
-        print("[]" if args.json else "no jobs yet")
+        print("[]" if args.json else f"no jobs yet: {no_state_message(cfg)}")
         return EXIT_OK
     store = _store(cfg)
     rows = [job_summary(store, j) for j in store.jobs()]
@@ -307,7 +317,8 @@ def cmd_status(args) -> int:
     wide = console.width >= 120
     table = Table(box=None, pad_edge=False)
     for col in ("ID", "NAME", "STATE", "ATT", "PROGRESS", "LAST", "REMEDY"):
-        table.add_column(col, no_wrap=True)
+        # Short fixed words stay whole; the rest wrap rather than being cut at 80 columns.
+        table.add_column(col, no_wrap=col in ("ID", "STATE", "ATT"), overflow="fold")
     if wide:
         table.add_column("WHY", overflow="fold")
     for r in rows:

@@ -42,7 +42,7 @@ def test_two_jobs_with_one_output_dir_never_train_at_once(dirs, tmp_path):
         d.wait_state(1, "running")
         d.wait_for(lambda: log.exists() and "start" in log.read_text(), what="job 1 training")
         job.write_text(lf_job(work, log, go, 1))  # another GPU: only the output_dir is shared
-        res = d.cli("submit", str(job), "--wait", "30")
+        res = d.cli("submit", str(job))  # a daemon runs: submit waits for the id by default
         assert res.returncode == 0 and res.stdout.strip().endswith("job 2"), res.stderr
         out = str(work / "saves" / "run")
         assert f"note: output_dir {out} is also job 1's (running): this job starts when job 1 has ended" \
