@@ -70,3 +70,17 @@ def test_plan_resolves_relative_paths_against_the_current_directory(checkout, cl
     """The deepspeed JSON was looked for under the YAML's folder (examples/train_full/examples/...)."""
     rc, out, err = cli("plan", "examples/train_full/qwen3_full_sft.yaml")
     assert rc == 0, err
+
+
+def test_plan_sizes_a_hub_model_from_the_cache_or_says_how_to_fetch_its_config(checkout, cli, tmp_path):
+    rc, out, _ = cli("plan", "examples/train_lora/qwen3_lora_sft.yaml")
+    assert rc == 0 and "hf download Qwen/Qwen3-4B-Instruct-2507 config.json" in out, out
+    snap = tmp_path / "hf-home/hub/models--Qwen--Qwen3-4B-Instruct-2507/snapshots/0123abc"
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs/main").write_text("0123abc")
+    (snap / "config.json").write_text('{"hidden_size": 2560, "num_hidden_layers": 36, "intermediate_size": 9728, '
+                                      '"vocab_size": 151936, "num_attention_heads": 32, "num_key_value_heads": 8}')
+    rc, out, _ = cli("plan", "examples/train_lora/qwen3_lora_sft.yaml", "--gpu-memory", "24")
+    assert rc == 0 and "config.json from the Hugging Face cache" in out and "parameters" in out, out
+    assert "GPU ~" in out
