@@ -1,6 +1,56 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite. Extra arguments go to pytest.
+# Set up what the suite needs and run it: what CI runs (.ci/run calls this and nothing else).
+#   1. ./.venv (scripts/setup.sh);
+#   2. Chromium, for the morning report's page test (apt-get, as root or with sudo);
+#   3. the Slurm test clusters, each a script with `up` and `down` (CLUSTERS below);
+#   4. pytest, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`);
+#   5. the daemon-side tests again on Python 3.10 (scripts/py310.sh; only without arguments).
+# Everything it starts is stopped when it exits, passed, failed or interrupted (trap).
+# OOM_SUPERVISOR_TEST_SLURM=0 leaves the clusters alone (their tests then skip; under CI=true
+# they fail, naming what is missing); OOM_SUPERVISOR_TEST_INSTALL=0 installs no package;
+# OOM_SUPERVISOR_TEST_PY310=0 skips step 5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The Slurm test clusters: scripts/slurm.sh (one node); scripts/slurm2.sh (two nodes) joins
+# when it exists. Each: `bash SCRIPT up` (idempotent, waits until ready) and `bash SCRIPT down`.
+CLUSTERS=${OOM_SUPERVISOR_TEST_CLUSTERS:-"scripts/slurm.sh scripts/slurm2.sh"}
+
+say() { echo "test.sh: $*" >&2; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo -n "$@"; else return 1; fi; }
+
+stop_clusters() {
+  # The tests' own fixture may have started a cluster too (slurm.sh up is idempotent): stop them all.
+  for s in $CLUSTERS; do
+    [ -f "$s" ] || continue
+    bash "$s" down >/dev/null 2>&1 || say "$s down failed; check for slurmctld/slurmd/munged left running"
+  done
+}
+
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+
+if [ "${OOM_SUPERVISOR_TEST_INSTALL:-1}" != 0 ] && ! command -v chromium >/dev/null 2>&1 \
+    && ! command -v chromium-browser >/dev/null 2>&1; then
+  say "installing Chromium (the report's page test opens the page in headless Chromium)"
+  as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+    || say "could not install Chromium (needs root or sudo, and Debian's packages); its test will say so"
+fi
+
+if [ "${OOM_SUPERVISOR_TEST_SLURM:-1}" != 0 ]; then
+  trap stop_clusters EXIT
+  for s in $CLUSTERS; do
+    [ -f "$s" ] || continue
+    say "starting the test cluster of $s"
+    bash "$s" up >/dev/null || say "$s up failed; its tests will say why"
+  done
+fi
+
+# Not exec: the trap stops the clusters when pytest is done.
+rc=0
+.venv/bin/python -m pytest -q -ra "$@" || rc=$?
+if [ $# -eq 0 ] && [ "${OOM_SUPERVISOR_TEST_PY310:-1}" != 0 ]; then
+  say "the daemon and CLI on Python 3.10 (scripts/py310.sh)"
+  bash scripts/py310.sh || { r=$?; [ "$rc" != 0 ] || rc=$r; }
+fi
+exit "$rc"

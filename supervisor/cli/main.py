@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="validate a job file and put it in the spool")
     _common(p)
     p.add_argument("file", type=Path)
-    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
-                   help="wait up to SECONDS for the daemon to accept it and print the job id")
+    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                   help="wait up to SECONDS for the daemon to accept it and print the job id "
+                        "(default: 30 when a daemon runs on this state folder, else 0)")
     p.add_argument("--after", type=int, action="append", default=[], metavar="JOB",
                    help="start only once job JOB has succeeded (repeatable)")
 
@@ -110,12 +111,22 @@ def _config(args: argparse.Namespace):
         raise SystemExit(EXIT_USAGE) from None
 
 
+def no_state_message(cfg) -> str:
+    """What `status`, `show` and the others say when the state folder has no record: the same
+    words, and where the state the user most likely means is (the demo's, run from this folder)."""
+    msg = f"no state at {cfg.state.root} (has the daemon run with this --state-dir?)"
+    demo = Path(".demo/state").resolve()
+    if (demo / "state.sqlite3").exists() and demo != cfg.state.root:
+        msg += (f"; the demo's state is {demo}: add `--state-dir {demo}`, or "
+                f"`export OOM_SUPERVISOR_STATE_DIR={demo} OOM_SUPERVISOR_SPOOL_DIR={demo.parent / 'spool'}`")
+    return msg
+
+
 def _store(cfg, *, must_exist: bool = True):
     from supervisor.record.store import Store
 
     if must_exist and not cfg.state.db.exists():
-        print(f"oom-supervisor: no state at {cfg.state.root} (has the daemon run with this --state-dir?)",
-              file=sys.stderr)
+        print(f"oom-supervisor: {no_state_message(cfg)}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
     return Store(cfg.state.db)
 
@@ -139,7 +150,7 @@ def cmd_submit(args) -> int:
     """Exit 2 with one paragraph for anything wrong with the file or the spool; never a
     traceback, never a hang (parsing is bounded, FIFOs are not opened for reading)."""
     from supervisor.intake.jobspec import JobFileError
-    from supervisor.intake.spool import display_name, submit
+    from supervisor.intake.spool import CheckContext, display_name, submit
 
     cfg = _config(args)
     shown = display_name(str(args.file))
@@ -148,13 +159,15 @@ def cmd_submit(args) -> int:
     except _Refused as exc:
         print(f"oom-supervisor: {shown}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    checked: list = []
     try:
         if args.after:
             from supervisor.intake.spool import with_after
 
             text = with_after(text, args.after)
+        context = CheckContext(daemon_env=dict(cfg.env), launch_here=cfg.backend != "slurm")
         dest = submit(cfg.spool, text, name=Path(args.file).name, cwd=Path.cwd(),
-                      policy_dirs=cfg.policy_search_dirs())
+                      policy_dirs=cfg.policy_search_dirs(), context=context, state=cfg.state, checked_out=checked)
     except JobFileError as err:
         print(err.report(), file=sys.stderr)
         return EXIT_USAGE
@@ -167,10 +180,47 @@ def cmd_submit(args) -> int:
         print(f"oom-supervisor: {shown} could not be checked ({type(exc).__name__}: {str(exc)[:200]}); "
               "nothing was submitted", file=sys.stderr)
         return EXIT_USAGE
-    print(f"submitted {shown} as {dest}")
-    if args.wait > 0:
-        return _wait_accepted(cfg, dest, args.wait)
+    for c in checked:
+        for w in c.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        for n in c.notes:
+            print(f"note: {n}", file=sys.stderr)
+    print(f"submitted {shown} (spool file {dest.name})")
+    wait = args.wait
+    alive = _daemon_pid(cfg)
+    if wait is None:
+        wait = 30.0 if alive else 0.0
+    if wait > 0:
+        return _wait_accepted(cfg, dest, wait)
+    if alive is None:
+        print(f"no daemon runs on {cfg.state.root} now: the job gets its id when one starts "
+              f"(`oom-supervisor daemon`, with the same --state-dir/--spool-dir)")
     return EXIT_OK
+
+
+def _daemon_pid(cfg) -> int | None:
+    """The pid of a daemon holding this state folder, read from its lock file (never locking it)."""
+    import os
+
+    try:
+        pid = int(cfg.state.lock.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"daemon" not in f.read():
+                return None  # the pid was reused by something else
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
 
 
 class _Refused(Exception):
@@ -246,7 +296,7 @@ def cmd_status(args) -> int:
 
     cfg = _config(args)
     if not cfg.state.db.exists():
-        print("[]" if args.json else "no jobs yet")
+        print("[]" if args.json else f"no jobs yet: {no_state_message(cfg)}")
         return EXIT_OK
     store = _store(cfg)
     rows = [job_summary(store, j) for j in store.jobs()]
@@ -267,7 +317,8 @@ def cmd_status(args) -> int:
     wide = console.width >= 120
     table = Table(box=None, pad_edge=False)
     for col in ("ID", "NAME", "STATE", "ATT", "PROGRESS", "LAST", "REMEDY"):
-        table.add_column(col, no_wrap=True)
+        # Short fixed words stay whole; the rest wrap rather than being cut at 80 columns.
+        table.add_column(col, no_wrap=col in ("ID", "STATE", "ATT"), overflow="fold")
     if wide:
         table.add_column("WHY", overflow="fold")
     for r in rows:

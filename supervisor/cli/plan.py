@@ -194,9 +194,11 @@ def _planned_oom(ctx: JobContext, est: dict[str, Any]) -> Diagnosis:
 def run(args: argparse.Namespace) -> int:
     from supervisor.intake.jobspec import JobFileError, parse_job_text
 
+    parse_warnings: list = []
     try:
         text = args.file.read_text()
-        spec = parse_job_text(text, source=str(args.file), submit_dir=args.file.resolve().parent)
+        # Relative paths resolve as `submit` resolves them: against where you run it (the job's workdir).
+        spec = parse_job_text(text, source=str(args.file), submit_dir=Path.cwd(), warnings=parse_warnings)
         name = args.policy or spec.sup.policy or "default"
         policy = load_policy(name, search_dirs=[*args.policy_dir, BUILTIN_POLICY_DIR])
     except JobFileError as err:
@@ -209,14 +211,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"cannot read {args.file}: {err}", file=sys.stderr)
         return 2
     model = spec.config.get("model_name_or_path")
-    shape = read_model_shape(spec.resolve(model)) if model else None
+    shape, model_note = _model_shape(spec, model) if isinstance(model, str) and model else (None, None)
     host_gib = getattr(args, "host_memory", None)
     observations = _observations(args, _context(spec, shape, args.gpu_memory, host_gib))
     steps = build_plan(spec, policy, shape, args.gpu_memory, observations, host_gib)
     learned = learned_summary(spec, policy, shape, args.gpu_memory, observations, host_gib)
-    from supervisor.intake.llamafactory.validate import config_warnings
-
-    warnings = [str(w) for w in config_warnings(spec.config)] if spec.kind == "llamafactory" else []
+    warnings = [str(w) for w in parse_warnings]
     extra = None
     if args.deepspeed_estimator and shape:
         extra = deepspeed_estimates(shape.params, shape.largest_layer_params, spec.world_size)
@@ -226,8 +226,10 @@ def run(args: argparse.Namespace) -> int:
                           "deepspeed_estimates": extra, "learned": learned}, indent=2, default=str))
         return 0
     head = f"{spec.name}: policy {policy.name!r}"
-    head += f", {_count(shape.params)} parameters" if shape else " (model size unknown: no local config.json)"
+    head += f", {_count(shape.params)} parameters" if shape else " (model size unknown: no memory estimates)"
     print(head)
+    if model_note:
+        print(model_note)
     for w in warnings:
         print(f"warning: {w}")
     if learned is not None:
@@ -251,6 +253,32 @@ def run(args: argparse.Namespace) -> int:
         for k, (g, h) in extra.items():
             print(f"DeepSpeed's own estimate, {k}: GPU {g / GiB:.1f} GiB, host {h / GiB:.1f} GiB")
     return 0
+
+
+def _model_shape(spec: Any, model: str) -> tuple[ModelShape | None, str | None]:
+    """The model's shape from its folder's config.json, else from the Hugging Face cache
+    (the environment the job would have), else how to get that one file."""
+    import os
+
+    from supervisor.intake import facts, preflight
+
+    local = spec.resolve(model)
+    shape = read_model_shape(local)
+    if shape is not None:
+        return shape, None
+    if local.is_dir():
+        return None, f"model: {local} has no readable config.json, so no memory estimates"
+    if not preflight.is_hub_id(model):
+        return None, f"model: {local} does not exist here: no config.json to size the model from"
+    env = {**os.environ, **spec.sup.env}
+    cache = spec.config.get("cache_dir")
+    cache_dir = str(spec.resolve(cache)) if isinstance(cache, str) and cache else facts.hub_cache_dir(env)
+    snap = facts.hub_snapshot(model, cache_dir=cache_dir, revision=str(spec.config.get("model_revision") or "main"))
+    if snap is not None:
+        return read_model_shape(snap), f"model: {model}'s config.json from the Hugging Face cache ({snap})"
+    return None, (f"model: {model}'s config.json is not in the Hugging Face cache ({cache_dir}); fetch that one "
+                  f"file (a few KB) for memory estimates: `hf download {model} config.json` "
+                  f"(or `huggingface-cli download {model} config.json`), then run plan again")
 
 
 def _observations(args: argparse.Namespace, ctx: JobContext) -> list[learn.Observation]:

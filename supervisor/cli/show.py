@@ -67,10 +67,11 @@ def attempt_panel(a: dict[str, Any]) -> Panel:
     lines.append("remedy: ", style="bold")
     lines.append((a.get("remedy") or "none (the configuration as submitted)") + "\n")
     over = a.get("overrides") or {}
-    for k, v in (over.get("yaml") or {}).items():
-        lines.append(f"  yaml {k} = {v!r}\n")
-    for k, v in (over.get("env") or {}).items():
-        lines.append(f"  env  {k}={v}\n")
+    if not a.get("changes_said"):  # else the previous attempt's decision listed them, old -> new
+        for k, v in (over.get("yaml") or {}).items():
+            lines.append(f"  yaml {k} = {v!r}\n")
+        for k, v in (over.get("env") or {}).items():
+            lines.append(f"  env  {k}={v}\n")
     if over.get("deepspeed"):
         lines.append("  deepspeed: generated config (see ds_config.json in the attempt folder)\n")
     if a.get("resumed_from"):
@@ -137,16 +138,34 @@ def print_timeline(data: dict[str, Any], console: Console | None = None) -> None
     console.print(head)
     if data.get("reason"):
         console.print(Text(f"why: {data['reason']}"))
+    prev_changes = False
     for a in data["attempt_list"]:
-        console.print(attempt_panel(a))
-    table = Table(title="events", box=None, show_header=True)
-    table.add_column("time")
-    table.add_column("att")
-    table.add_column("event")
-    table.add_column("message", overflow="fold")
-    for e in data["events"]:
-        table.add_row(_ts(e["ts"]), str(e["attempt"] or ""), Text(str(e["kind"])), Text(str(e["message"])))
-    console.print(table)
+        console.print(attempt_panel({**a, "changes_said": prev_changes}))
+        prev_changes = bool(((a.get("decision") or {}).get("changes")))
+    # Each decision is said once, in its attempt's panel: the events that repeat a panel's lines
+    # (its start, its fatal line, its end and diagnosis, the state change its decision made) are not
+    # listed again. Lines, not a table: a path is never cut in the middle at 80 columns.
+    shown = [e for e in data["events"] if not _in_a_panel(e)]
+    if shown:
+        console.print(Text("events", style="bold"))
+    for e in shown:
+        line = Text(f"{_ts(e['ts'])} ")
+        if e["attempt"]:
+            line.append(f"[{e['attempt']}] ", style="dim")
+        line.append(f"{e['kind']}: ", style="bold")
+        line.append(str(e["message"]))
+        console.print(line, overflow="fold")
+
+
+_PANEL_EVENTS = ("attempt_started", "attempt_ended", "fatal_detected")
+
+
+def _in_a_panel(e: dict[str, Any]) -> bool:
+    if e["kind"] in _PANEL_EVENTS:
+        return True
+    msg = str(e["message"])
+    return e["kind"] == "state" and msg.startswith(("running -> ", "waiting_retry -> running", "queued -> running",
+                                                    "interrupted -> running"))
 
 
 def watch(cfg, job_id: int, *, interval: float = 1.0) -> int:

@@ -15,7 +15,7 @@ The names are a public interface (`status --json`, scripts): keep them stable.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from supervisor.core.compat import StrEnum
 
 
 class JobState(StrEnum):

@@ -35,9 +35,10 @@ from typing import Any
 from supervisor.core.paths import StatePaths
 from supervisor.core.states import JobState
 from supervisor.daemon.config import DaemonConfig
+from supervisor.daemon.facts import ENV_DROP_PREFIXES
 from supervisor.daemon.follow import STUCK_AFTER_S, Active, describe
 from supervisor.daemon.runner import Runner
-from supervisor.intake.spool import intake
+from supervisor.intake.spool import CheckContext, intake, output_dir_of_job
 from supervisor.record.store import JobRow, Store
 from supervisor.run.diskfull import describe_full, free_bytes, is_disk_full
 from supervisor.service.logsetup import log
@@ -88,6 +89,7 @@ class Daemon:
     vram_waits: dict[int, Any] = field(default_factory=dict)
     said_blocked: set = field(default_factory=set)
     unrecovered: dict[int, str] = field(default_factory=dict)  # job id -> why it could not be taken back
+    output_dirs: dict[int, str | None] = field(default_factory=dict)
     last_tick_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -285,9 +287,14 @@ class Daemon:
 
     # --- steps ----------------------------------------------------------------------
     def step_intake(self) -> None:
+        # The pre-launch checks see what attempts will: this environment (less our own variables,
+        # as attempts get it), the config's env, and whether attempts run on this box.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROP_PREFIXES)}
+        context = CheckContext(base_env=env, daemon_env=dict(self.cfg.env),
+                               launch_here=self.cfg.backend != "slurm", where="intake")
         intake(self.cfg.spool, self.state, self.store, settle_s=self.cfg.settle_time,
                max_bytes=self.cfg.max_job_file_bytes, now=self.clock(), log=log,
-               policy_dirs=self.cfg.policy_search_dirs())
+               policy_dirs=self.cfg.policy_search_dirs(), context=context)
 
     def step_control(self) -> None:
         """Act on requests the CLI left in the record (cancel of a running job)."""
@@ -343,6 +350,8 @@ class Daemon:
                 break
             if not job.cancel_requested and not self._dependencies_met(job):
                 continue
+            if not job.cancel_requested and self._output_dir_taken(job):
+                continue
             ok, gpus = self._assign(job)
             if not ok or not self._vram_released(job, gpus):
                 continue
@@ -364,12 +373,38 @@ class Daemon:
                 key = (job.id, dep, other.state if other else None)
                 if key not in self.said_blocked:
                     self.said_blocked.add(key)
-                    what = f"is {other.state}" if other else "does not exist"
+                    what = (f"is {other.state}: retry job {dep}, or cancel job {job.id}" if other else
+                            f"does not exist: cancel job {job.id} and submit it again without job {dep}")
                     self.store.event(job.id, "waiting_for_dependency",
-                                     f"job {job.id} runs after job {dep}, which {what}: retry job {dep}, "
-                                     f"or cancel job {job.id}")
+                                     f"job {job.id} runs after job {dep}, which {what}")
             return False
         return True
+
+    def _output_dir_taken(self, job: JobRow) -> bool:
+        """Two trainings never write one output_dir at once: a job waits while a running one, or
+        an earlier one not ended yet, has the same output_dir (said once, and in `status`)."""
+        mine = self._output_dir(job)
+        if mine is None:
+            return False
+        for other in self.store.jobs({JobState.QUEUED, JobState.RUNNING, JobState.INTERRUPTED,
+                                      JobState.WAITING_RETRY}):
+            if other.id == job.id or (other.id > job.id and other.id not in self.active):
+                continue
+            if self._output_dir(other) != mine:
+                continue
+            why = (f"waiting: output_dir {mine} is also job {other.id}'s ({other.state}); "
+                   f"starts when job {other.id} has ended")
+            if ("output_dir", job.id, other.id) not in self.said_blocked:
+                self.said_blocked.add(("output_dir", job.id, other.id))
+                self.store.update_job(job.id, reason=why)
+                self.store.event(job.id, "waiting_for_output_dir", why)
+            return True
+        return False
+
+    def _output_dir(self, job: JobRow) -> str | None:
+        if job.id not in self.output_dirs:
+            self.output_dirs[job.id] = output_dir_of_job(self.state, job.id, job.workdir)
+        return self.output_dirs[job.id]
 
     def _assign(self, job: JobRow) -> tuple[bool, list[int] | None]:
         """(may start now, the GPUs it gets). A job naming GPUs gets those when none is taken; one

@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         code = 0 if state == "succeeded" else 1
         print(f"\ndemo: job {job_id} {state} in {time.monotonic() - t0:.0f}s "
               f"(state: {root / 'state'}; try `oom-supervisor show {job_id} --state-dir {root / 'state'}`)")
+        state_dir, spool_dir = (root / "state").resolve(), (root / "spool").resolve()
+        print(f"demo: to point every command at the demo's state:\n"
+              f"  export OOM_SUPERVISOR_STATE_DIR={state_dir} OOM_SUPERVISOR_SPOOL_DIR={spool_dir}")
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:

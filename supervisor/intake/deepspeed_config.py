@@ -97,11 +97,14 @@ def _near(key: str, valid: Any) -> str | None:
 
 
 def validate_deepspeed_config(cfg: Mapping[str, Any], *, prefix: str = "deepspeed",
-                              schema: str = "builtin") -> list[Problem]:
+                              schema: str = "builtin", warnings: list[Problem] | None = None) -> list[Problem]:
     """Every problem DeepSpeed would raise on, or would silently ignore, in `cfg`.
 
     Keys are dotted paths under `prefix`. "auto" is accepted anywhere (the HF
-    integration fills it in).
+    integration fills it in). An unknown top-level key is a problem when it is a
+    misspelling of a section (`zero_optimisation`: its settings would not act, the run goes on at
+    stage 0); any other one (LLaMA-Factory's fp8 preset has `comms_config`, DeepSpeed's name
+    for it is `comms_logger`) only has no effect: said in `warnings` when given.
     """
     if not isinstance(cfg, Mapping):
         return [Problem(prefix, f"a DeepSpeed config must be a mapping, not {type(cfg).__name__}")]
@@ -109,11 +112,15 @@ def validate_deepspeed_config(cfg: Mapping[str, Any], *, prefix: str = "deepspee
     problems: list[Problem] = []
     for key in cfg:
         if key not in sch["top_level"]:
-            problems.append(Problem(
-                f"{prefix}.{key}",
-                "not a DeepSpeed config key: DeepSpeed silently ignores unknown top-level keys, "
-                "so this section would have no effect",
-                _near(str(key), sch["top_level"])))
+            near = _near(str(key), sch["top_level"])
+            typo = near is not None and difflib.SequenceMatcher(None, str(key), near).ratio() >= 0.8
+            what = ("not a DeepSpeed config key: DeepSpeed silently ignores unknown top-level keys, "
+                    "so this section would have no effect")
+            if typo:
+                problems.append(Problem(f"{prefix}.{key}", what, near))
+            elif warnings is not None:
+                warnings.append(Problem(f"{prefix}.{key}", what + "; harmless unless you meant it to act",
+                                        near))
     zero = cfg.get("zero_optimization")
     if zero is None:
         return problems

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -40,18 +40,37 @@ POLICY_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 class JobFileError(ValueError):
-    """A job file that cannot be accepted; carries every problem found."""
+    """A job file that cannot be accepted; carries every problem found (in file order), and
+    what could still be read of it (`partial`), so later checks can report in the same round."""
 
-    def __init__(self, problems: list[Problem], source: str = "") -> None:
-        self.problems = problems
+    def __init__(self, problems: list[Problem], source: str = "", *, partial: Partial | None = None,
+                 warnings: list[Problem] | None = None) -> None:
+        self.problems = sorted(problems, key=lambda p: (p.line is None, p.line or 0))
         self.source = source
+        self.partial = partial
+        self.warnings = list(warnings or [])
         head = f"{source}: " if source else ""
-        super().__init__(head + "; ".join(str(p) for p in problems))
+        super().__init__(head + "; ".join(str(p) for p in self.problems))
 
     def report(self) -> str:
         lines = [f"{self.source or 'job file'} was refused ({len(self.problems)} problem(s)):"]
         lines += [f"  - {p}" for p in self.problems]
+        if self.warnings:
+            lines.append("and, not refused:")
+            lines += [f"  - warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Partial:
+    """What a refused file still tells: its training keys, workdir, line map and job env."""
+
+    config: Mapping[str, Any] | None
+    workdir: Path
+    lines: Mapping[str, int]
+    env: Mapping[str, str]
+    after: tuple[int, ...]
+    kind: str
 
 
 class NotifySpec(BaseModel):
@@ -196,6 +215,7 @@ class JobSpec:
     config: Mapping[str, Any]
     workdir: Path
     raw_text: str = field(repr=False, default="")
+    lines: Mapping[str, int] = field(repr=False, default_factory=dict, compare=False)
 
     @property
     def world_size(self) -> int:
@@ -368,10 +388,39 @@ def _pydantic_problems(err: ValidationError, lines: dict[str, int]) -> list[Prob
             last = str(e["loc"][-1])
             valid = SUPERVISOR_KEYS if len(e["loc"]) == 1 else tuple(NotifySpec.model_fields)
             out.append(Problem(key, "unknown key", suggest(last, valid), _line_for(key, lines)))
+        elif e["loc"] and e["loc"][-1] in ("command", "launcher") and e["type"] == "list_type":
+            out.append(Problem(key, _argv_message(str(e["loc"][-1]), e.get("input")), None, _line_for(key, lines)))
+        elif e["loc"] == ("after",) and e["type"] == "list_type":
+            out.append(Problem(key, "must be a list of job ids, e.g. `after: [3]` (or `submit --after 3`)", None,
+                               _line_for(key, lines)))
         else:
             msg = e["msg"].removeprefix("Value error, ")
             out.append(Problem(key, msg, None, _line_for(key, lines)))
     return out
+
+
+def _argv_message(key: str, given: Any) -> str:
+    """`command: torchrun train.py` written as a string: show the list it must be."""
+    import shlex
+
+    example = "[torchrun, --nproc-per-node, \"2\", train.py]"
+    if isinstance(given, str):
+        try:
+            words = shlex.split(given)[:12]
+        except ValueError:
+            words = given.split()[:12]
+        if words:
+            example = "[" + ", ".join(w if re.fullmatch(r"[A-Za-z_./-][A-Za-z0-9_./=-]*", w) and not
+                                      re.fullmatch(r"-?[0-9.]+|true|false|yes|no|on|off|null|~", w, re.I)
+                                      else json_quote(w) for w in words) + "]"
+    return (f"must be a list of arguments, one per item, run without a shell (a string is not split), "
+            f"e.g. `{key}: {example}`")
+
+
+def json_quote(w: str) -> str:
+    import json
+
+    return json.dumps(w)
 
 
 def _line_for(key: str, lines: dict[str, int]) -> int | None:
@@ -382,24 +431,40 @@ def _line_for(key: str, lines: dict[str, int]) -> int | None:
     return None
 
 
+def _yaml_problem(exc: Exception) -> Problem:
+    """A YAML syntax error with its line and column; a tab gets "use spaces"."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    col = f"column {mark.column + 1}: " if mark is not None else ""
+    if "'\\t'" in problem or "\t" in problem:
+        return Problem("(file)", f"{col}a tab character: YAML allows only spaces for indentation and "
+                                 "after a colon; replace the tab with spaces", None, _mark_line(exc))
+    return Problem("(file)", f"{col}YAML does not parse: {problem}", None, _mark_line(exc))
+
+
 def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = None,
-                   check_lf: bool = True) -> JobSpec:
-    """Validate a job file's text and return the JobSpec, or raise JobFileError.
+                   check_lf: bool = True, policy_problem: Callable[[str], Problem | None] | None = None,
+                   warnings: list[Problem] | None = None) -> JobSpec:
+    """Validate a job file's text and return the JobSpec, or raise JobFileError with every
+    problem found in one round (the supervisor block's, the policy name's, the training keys').
 
     `submit_dir` is where the user ran `submit` (or the spool folder for raw
-    drops); relative `workdir` and paths resolve against it.
+    drops); relative `workdir` and paths resolve against it. `policy_problem` looks the
+    policy name up (the caller knows where policies live). What does not stop a run goes
+    to `warnings` when given.
     """
     try:
         data, lines = load_yaml_with_lines(text)
     except YamlLimitError as exc:
         raise JobFileError([Problem("(file)", f"refused: {exc.problem}", None, _mark_line(exc))], source) from None
     except yaml.YAMLError as exc:
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise JobFileError([Problem("(file)", f"YAML does not parse: {problem}", None, _mark_line(exc))],
-                           source) from None
+        raise JobFileError([_yaml_problem(exc)], source) from None
     except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as exc:
         # e.g. an integer of more than 4300 digits, a date like 2024-13-45
-        raise JobFileError([Problem("(file)", f"YAML value cannot be read: {str(exc)[:200]}")], source) from None
+        why = str(exc)[:200]
+        if "integer string conversion" in why:  # worded differently by Python 3.10 and 3.11
+            why = "an integer of more than 4300 digits (Python's limit; no setting needs one)"
+        raise JobFileError([Problem("(file)", f"YAML value cannot be read: {why}")], source) from None
     if not isinstance(data, dict):
         kind = "empty" if data is None else type(data).__name__
         raise JobFileError([Problem("(file)", f"a job file must be a YAML mapping, this one is {kind}")], source)
@@ -408,25 +473,42 @@ def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = Non
         raise JobFileError([Problem(str(k)[:80], "keys must be strings") for k in bad_keys[:20]], source)
 
     problems: list[Problem] = []
+    said: list[Problem] = warnings if warnings is not None else []
     raw_sup = data.get("supervisor") or {}
     if not isinstance(raw_sup, dict):
         raise JobFileError([Problem("supervisor", "must be a mapping", None, lines.get("supervisor"))], source)
+    sup: SupervisorBlock | None
     try:
         sup = SupervisorBlock.model_validate(raw_sup)
     except ValidationError as err:
-        raise JobFileError(_pydantic_problems(err, lines), source) from None
+        sup = None
+        problems += _pydantic_problems(err, lines)
+    policy = sup.policy if sup is not None else raw_sup.get("policy")
+    if policy_problem is not None and isinstance(policy, str) and policy_name_problem(policy) is None:
+        found = policy_problem(policy)
+        if found is not None:
+            problems.append(Problem("supervisor.policy", found.message, found.suggestion,
+                                    lines.get("supervisor.policy")))
 
     config = {k: v for k, v in data.items() if k != "supervisor"}
     huge = _huge_integers(config, lines)
     if huge:
-        raise JobFileError(huge, source)
+        raise JobFileError(problems + huge, source)
     base = submit_dir or Path.cwd()
-    workdir = Path(sup.workdir).expanduser() if sup.workdir else base
+    raw_workdir = sup.workdir if sup is not None else raw_sup.get("workdir")
+    workdir = Path(raw_workdir).expanduser() if isinstance(raw_workdir, str) and raw_workdir else base
     if not workdir.is_absolute():
         workdir = base / workdir
     workdir = Path(_normpath(workdir))
+    env = sup.env if sup is not None else {k: v for k, v in (raw_sup.get("env") or {}).items()
+                                           if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(raw_sup.get("env"), dict) else {}
+    after = tuple(sup.after) if sup is not None else tuple(
+        a for a in (raw_sup.get("after") or []) if isinstance(a, int) and not isinstance(a, bool)) \
+        if isinstance(raw_sup.get("after"), list) else ()
 
-    if sup.command is not None:
+    is_command = sup.command is not None if sup is not None else "command" in raw_sup
+    if is_command:
         kind = "command"
         if config:
             problems.append(Problem(
@@ -438,15 +520,20 @@ def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = Non
         if not config:
             problems.append(Problem("(file)", "no LLaMA-Factory training keys and no supervisor.command: nothing to run"))
         elif check_lf:
-            from supervisor.intake.llamafactory.validate import validate_config
+            from supervisor.intake.llamafactory.validate import config_warnings, validate_config
 
-            for p in validate_config(config, workdir=workdir):
+            found: list[Problem] = []
+            for p in validate_config(config, workdir=workdir, env=env, warnings=found):
                 problems.append(Problem(p.key, p.message, p.suggestion, p.line or _line_for(p.key, lines)))
+            for p in found + config_warnings(config):
+                said.append(Problem(p.key, p.message, p.suggestion, p.line or _line_for(p.key, lines)))
     if problems:
-        raise JobFileError(problems, source)
+        partial = Partial(config if kind == "llamafactory" and config else None, workdir, lines, env, after, kind)
+        raise JobFileError(problems, source, partial=partial)
 
+    assert sup is not None
     name = sup.name or _default_name(config, source)
-    return JobSpec(kind=kind, name=name, sup=sup, config=config, workdir=workdir, raw_text=text)
+    return JobSpec(kind=kind, name=name, sup=sup, config=config, workdir=workdir, raw_text=text, lines=lines)
 
 
 def _normpath(p: Path) -> str:

@@ -37,7 +37,9 @@ import yaml
 
 from supervisor.core.models import Problem
 from supervisor.core.paths import SpoolPaths, StatePaths
-from supervisor.intake.jobspec import JobFileError, JobSpec, load_yaml_with_lines, parse_job_text
+from supervisor.intake import facts as facts_mod
+from supervisor.intake import preflight
+from supervisor.intake.jobspec import JobFileError, JobSpec, Partial, load_yaml_with_lines, parse_job_text
 from supervisor.record.store import Store
 from supervisor.run.fsutil import atomic_write_text, fsync_dir
 
@@ -107,11 +109,13 @@ def intake(spool: SpoolPaths, state: StatePaths, store: Store, *, settle_s: floa
            max_bytes: int, now: float | None = None, log=None,
            max_files: int = MAX_FILES_PER_CALL, max_seconds: float = MAX_SECONDS_PER_CALL,
            policy_dirs: Sequence[Path] | None = None, keep_rejected: int = KEEP_REJECTED,
-           rejected_max_age_s: float = REJECTED_MAX_AGE_S) -> IntakeResult:
+           rejected_max_age_s: float = REJECTED_MAX_AGE_S, context: CheckContext | None = None) -> IntakeResult:
     """Accept or reject settled files in incoming/ (oldest first), at most `max_files`
     of them or `max_seconds` per call; the rest wait for the next call. Files this
     daemon claimed before a crash are finished first. With `policy_dirs`, a job naming
-    a policy not found there is refused."""
+    a policy not found there is refused. `context` says what the daemon's attempts will see
+    (its environment, where they run) for the pre-launch checks; by default this process's."""
+    context = context or CheckContext(where="intake")
     spool.ensure()
     state.ensure()
     now = time.time() if now is None else now
@@ -129,7 +133,7 @@ def intake(spool: SpoolPaths, state: StatePaths, store: Store, *, settle_s: floa
             continue
         budget -= 1
         if not _process(spool, state, store, claimed / cname, cname, _original_of_claimed(cname),
-                        max_bytes, policy_dirs, result, log):
+                        max_bytes, policy_dirs, result, log, context):
             return result  # the state folder cannot take a job now; try again next call
 
     # 2. Settled files in incoming/, oldest first.
@@ -151,7 +155,7 @@ def intake(spool: SpoolPaths, state: StatePaths, store: Store, *, settle_s: floa
             continue
         budget -= 1
         if not _process(spool, state, store, claimed / cname, cname, name, max_bytes, policy_dirs,
-                        result, log):
+                        result, log, context):
             return result
     _forget_future(spool, result.waiting)
     if result.rejected or now - _last_prune.get(str(spool.root), 0.0) > 300:
@@ -238,12 +242,13 @@ def _read_bounded(path: Path, max_bytes: int) -> tuple[os.stat_result, bytes]:
 
 
 def _process(spool: SpoolPaths, state: StatePaths, store: Store, path: Path, cname: str, name: str,
-             max_bytes: int, policy_dirs: Sequence[Path] | None, result: IntakeResult, log) -> bool:
+             max_bytes: int, policy_dirs: Sequence[Path] | None, result: IntakeResult, log,
+             context: CheckContext) -> bool:
     """Accept or reject one claimed file. False when the state folder refused the job
     (disk full, database locked): the file stays claimed for the next call."""
     shown = display_name(name)
     try:
-        spec, text, key = _check(path, cname, shown, max_bytes, policy_dirs, store, spool.root)
+        spec, text, key = _check(path, cname, shown, max_bytes, policy_dirs, store, spool.root, state, context)
     except JobFileError as err:
         _reject(spool, path, name, err.problems, result, log)
         return True
@@ -273,7 +278,7 @@ def _process(spool: SpoolPaths, state: StatePaths, store: Store, path: Path, cna
 
 
 def _check(path: Path, cname: str, shown: str, max_bytes: int, policy_dirs: Sequence[Path] | None,
-           store: Store, spool_root: Path) -> tuple[JobSpec | None, str, str]:
+           store: Store, spool_root: Path, state: StatePaths, context: CheckContext) -> tuple[JobSpec | None, str, str]:
     st = path.lstat()
     if stat.S_ISLNK(st.st_mode):
         raise JobFileError([Problem("(file)", "is a symbolic link; symlinks are refused "
@@ -293,14 +298,10 @@ def _check(path: Path, cname: str, shown: str, max_bytes: int, policy_dirs: Sequ
         raise JobFileError([Problem("(file)", f"is not UTF-8 text (byte {exc.start})")]) from None
     if "\0" in text:
         raise JobFileError([Problem("(file)", "contains a NUL byte; job files are YAML text")])
-    spec = parse_job_text(text, source=shown, submit_dir=spool_root)
-    if policy_dirs is not None and spec.sup.policy is not None:
-        from supervisor.judge.policy.schema import unknown_policy_problem
-
-        problem = unknown_policy_problem(spec.sup.policy, search_dirs=policy_dirs)
-        if problem:
-            raise JobFileError([problem], shown)
-    return spec, text, key
+    jobs = jobs_of(store.conn, state)
+    checked = check_job(text, source=shown, submit_dir=spool_root, policy_dirs=policy_dirs,
+                        context=context, jobs=jobs)
+    return checked.spec, text, key
 
 
 def _kind(mode: int) -> str:
@@ -441,20 +442,20 @@ def with_supervisor_key(text: str, key: str, value, *, keep_existing: bool) -> s
 
 
 def submit(spool: SpoolPaths, text: str, *, name: str, cwd: Path,
-           policy_dirs: Sequence[Path] | None = None) -> Path:
-    """Validate (the same checks as intake, plus the policy name against `policy_dirs`),
-    then place the job in incoming/ atomically, mode 0640 (the daemon's user reads it
-    through the spool's group). Raises JobFileError; OSError when the spool cannot be written."""
+           policy_dirs: Sequence[Path] | None = None, context: CheckContext | None = None,
+           state: StatePaths | None = None, checked_out: list | None = None) -> Path:
+    """Validate (the same checks as intake: `check_job`), then place the job in incoming/
+    atomically, mode 0640 (the daemon's user reads it through the spool's group). Raises
+    JobFileError; OSError when the spool cannot be written. The Checked (warnings, notes)
+    is appended to `checked_out` when given."""
     shown = display_name(Path(name).name)
-    spec = parse_job_text(text, source=shown, submit_dir=cwd)
-    if policy_dirs is not None and spec.sup.policy is not None:
-        from supervisor.judge.policy.schema import unknown_policy_problem
-
-        problem = unknown_policy_problem(spec.sup.policy, search_dirs=policy_dirs)
-        if problem:
-            raise JobFileError([problem], shown)
+    context = context or CheckContext()
+    jobs = read_jobs(state) if state is not None else None
+    checked = check_job(text, source=shown, submit_dir=cwd, policy_dirs=policy_dirs, context=context, jobs=jobs)
     final_text = with_workdir(text, cwd)
-    parse_job_text(final_text, source=shown, submit_dir=cwd)
+    parse_job_text(final_text, source=shown, submit_dir=cwd, check_lf=False)
+    if checked_out is not None:
+        checked_out.append(checked)
     spool.ensure()
     stem = _SAFE.sub("_", shown).lstrip(".")
     for suffix in (".yaml", ".yml"):
@@ -464,3 +465,102 @@ def submit(spool: SpoolPaths, text: str, *, name: str, cwd: Path,
     # The temp name is dot-prefixed, so intake never reads it half-written.
     atomic_write_text(dest, final_text, mode=SPOOL_FILE_MODE)
     return dest
+
+
+# --- the checks submit and intake share -------------------------------------------------------
+
+@dataclass
+class CheckContext:
+    """What the attempts of a job will see, as far as the checking process can tell.
+
+    `base_env`: the environment attempts inherit (the daemon's own at intake; at submit, the
+    submitter's, a best guess that is said). `daemon_env`: the daemon config's `env:`.
+    `launch_here`: False when attempts run on other machines (Slurm), where a path missing
+    here may exist."""
+
+    base_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    daemon_env: dict[str, str] = field(default_factory=dict)
+    launch_here: bool = True
+    where: str = "submit"
+
+
+@dataclass
+class Checked:
+    spec: JobSpec
+    warnings: list[Problem]
+    notes: list[str]
+
+
+def check_job(text: str, *, source: str, submit_dir: Path, policy_dirs: Sequence[Path] | None,
+              context: CheckContext, jobs: dict[int, preflight.JobFact] | None) -> Checked:
+    """Parse and check a job file: every problem in one report (JobFileError), in file order.
+    The pre-launch checks (`preflight`) run even when parsing found problems, on what it could read."""
+    policy_problem = None
+    if policy_dirs is not None:
+        from supervisor.judge.policy.schema import unknown_policy_problem
+
+        def policy_problem(name: str) -> Problem | None:
+            return unknown_policy_problem(name, search_dirs=policy_dirs)
+
+    warnings: list[Problem] = []
+    try:
+        spec = parse_job_text(text, source=source, submit_dir=submit_dir, policy_problem=policy_problem,
+                              warnings=warnings)
+        part = Partial(spec.config if spec.kind == "llamafactory" else None, spec.workdir, spec.lines,
+                       dict(spec.sup.env), tuple(spec.sup.after), spec.kind)
+        problems: list[Problem] = []
+    except JobFileError as err:
+        if err.partial is None:
+            raise
+        spec, part, problems = None, err.partial, list(err.problems)
+    env = facts_mod.job_env(context.base_env, context.daemon_env, part.env)
+    facts = facts_mod.gather(part.config, workdir=str(part.workdir), env=env, after=part.after,
+                             launch_here=context.launch_here, jobs=jobs, where=context.where)
+    res = preflight.check(part.config, workdir=str(part.workdir), facts=facts, after=part.after, lines=part.lines)
+    problems += res.problems
+    warnings += res.warnings
+    if problems:
+        raise JobFileError(problems, source, warnings=warnings)
+    assert spec is not None
+    return Checked(spec, warnings, res.notes)
+
+
+def read_jobs(state: StatePaths) -> dict[int, preflight.JobFact] | None:
+    """The recorded jobs, read-only, for `submit` (None when the record cannot be read: a service's
+    state folder is the daemon's alone; the daemon's intake checks again)."""
+    try:
+        if not state.db.exists():
+            return {} if state.root.is_dir() or not state.root.exists() else None
+        conn = sqlite3.connect(f"file:{state.db}?mode=ro", uri=True, timeout=5.0)
+    except (OSError, sqlite3.Error):
+        return None
+    try:
+        return jobs_of(conn, state)
+    except (OSError, sqlite3.Error):
+        return None
+    finally:
+        conn.close()
+
+
+def jobs_of(conn: sqlite3.Connection, state: StatePaths) -> dict[int, preflight.JobFact]:
+    """Every job's id and state; the output_dir of those not ended (from their job.yaml)."""
+    out: dict[int, preflight.JobFact] = {}
+    for row in conn.execute("SELECT id, state, name, workdir FROM jobs"):
+        job_id, st, name, workdir = row[0], str(row[1]), row[2] or "", row[3] or "/"
+        out_dir = None
+        if st not in preflight.TERMINAL:
+            out_dir = output_dir_of_job(state, job_id, workdir)
+        out[job_id] = preflight.JobFact(job_id, st, out_dir, name)
+    return out
+
+
+def output_dir_of_job(state: StatePaths, job_id: int, workdir: str) -> str | None:
+    """A recorded job's output_dir, absolute (None: not a LLaMA-Factory job, or unreadable here)."""
+    try:
+        data, _ = load_yaml_with_lines(state.job(job_id).job_file.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict) or "command" in (data.get("supervisor") or {}):
+        return None
+    out = facts_mod.output_dir_of(data, workdir)  # the record's workdir is the job's, resolved
+    return facts_mod.realpath_prefix(out) if out else None

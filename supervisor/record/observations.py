@@ -22,7 +22,7 @@ import logging
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Self
+
 
 from supervisor.core.models import Diagnosis, HostEvidence, JobContext, Overrides
 from supervisor.judge.policy.learn import (
@@ -85,7 +85,7 @@ class ObservationStore:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> ObservationStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

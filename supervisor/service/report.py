@@ -153,7 +153,7 @@ def collect(store: Store, state: StatePaths, job_ids: list[int] | None = None, *
             try:
                 data = (out / TRAINER_LOG).read_bytes()
                 records, _bad = _parse_lines(data.split(b"\n"))
-                assign_losses(attempts, split_runs(records))
+                assign_by_record(attempts, records)
             except FileNotFoundError:
                 view.log_note = f"{out / TRAINER_LOG} not found: no loss curve"
         jobs.append(view)
@@ -190,6 +190,38 @@ def split_runs(records: list[dict[str, Any]]) -> list[list[tuple[int, float]]]:
             runs[-1].append((step, float(loss)))
         prev_step, prev_t = step, t
     return runs
+
+
+def assign_by_record(attempts: list[AttemptView], records: list[dict[str, Any]]) -> None:
+    """Give each logged (step, loss) to its attempt by the record's boundaries, not by seams in
+    the log: attempt k holds the steps after the one it resumed from up to the last it reached,
+    and ran no longer than it lived. After an emergency checkpoint the log may show no seam at
+    all (attempt 1's step 8, then attempt 3's step 9 with a timer that happens to be later): the
+    record still says step 9 is attempt 3's. A seam the log does show (the step or the timer went
+    back) also moves on to the next attempt holding that step."""
+    def holds(a: AttemptView, step: int, t: float | None) -> bool:
+        lo = a.resumed_from_step or 0
+        hi = a.max_step if a.max_step is not None else (None if a.ended_at is None else lo)
+        if step <= lo or (hi is not None and step > hi):
+            return False
+        return t is None or a.duration_s is None or t <= a.duration_s + 5.0
+
+    i = 0
+    prev_step = prev_t = None
+    for r in records:
+        step, loss = r.get("current_steps"), r.get("loss")
+        if not isinstance(step, int) or isinstance(step, bool) or not attempts:
+            continue
+        t = parse_elapsed(r.get("elapsed_time"))
+        seam = prev_step is not None and (step < prev_step or (t is not None and prev_t is not None and t < prev_t))
+        prev_step, prev_t = step, t
+        if seam or not holds(attempts[i], step, t):
+            nxt = next((j for j in range(i + 1, len(attempts)) if holds(attempts[j], step, t)), None)
+            if nxt is None:
+                continue  # a step no attempt of the record reached: not drawn rather than drawn wrong
+            i = nxt
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            attempts[i].losses.append((step, float(loss)))
 
 
 def assign_losses(attempts: list[AttemptView], runs: list[list[tuple[int, float]]]) -> None:

@@ -12,6 +12,7 @@ from tests.architecture import importgraph as ig
 
 PURE_PACKAGES = ("supervisor.core", "supervisor.judge")
 PURE_MODULES = ("supervisor", "supervisor.intake", "supervisor.intake.jobspec", "supervisor.intake.slurm_request",
+                "supervisor.intake.preflight",
                 "supervisor.intake.deepspeed_config", "supervisor.intake.llamafactory")
 # Modules that act (processes, databases, sockets, the file system beyond reading a config).
 ACTING = ("sqlite3", "subprocess", "psutil", "socket", "multiprocessing", "shutil", "torch", "signal")

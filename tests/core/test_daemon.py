@@ -72,14 +72,19 @@ def test_fatal_line_tears_the_attempt_down_at_once(daemon, tmp_path):
 
 
 def test_kill9_daemon_then_restart_adopts_and_finishes(daemon, tmp_path):
-    progress = tmp_path / "progress.txt"
+    progress, gate = tmp_path / "progress.txt", tmp_path / "go-on"
     daemon.start()
-    drop(daemon.spool, "long.yaml", job(tmp_path, "--steps", "30", "--sleep", "0.1", f"--progress={progress}"))
+    # The job holds at step 3 until the test lets it go on, so it is still running when the restarted
+    # daemon comes up however loaded the box is (a 3 s job once ended first: no attempt_adopted).
+    drop(daemon.spool, "long.yaml", job(tmp_path, "--steps", "30", "--sleep", "0.01", f"--progress={progress}",
+                                        f"--gate={gate}", "--gate-step=3"))
     daemon.wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 3, what="progress")
     daemon.kill9()
     assert not no_job_processes(tmp_path), "the attempt outlives the daemon in its own session"
-    time.sleep(0.5)
     daemon.start()
+    daemon.wait_for(lambda: any(e["kind"] == "attempt_adopted" for e in daemon.show(1)["events"]),
+                    what="the restarted daemon adopting the attempt")
+    gate.write_text("")
     daemon.wait_state(1, "succeeded", timeout=60)
     shown = daemon.show(1)
     assert shown["attempts"] == 1, "re-adopted, not started twice"

@@ -5,7 +5,8 @@ Options (argv): --steps N --sleep S --exit CODE --ignore-term --children K
 (fail with 99 if another instance holds it: proves one attempt at a time)
 --progress FILE (append each step, so a test can see where it got)
 --print TEXT (print a line before exiting) --fail-first-attempts N --state FILE
-(exit with --exit only on the first N runs, counted in FILE).
+(exit with --exit only on the first N runs, counted in FILE). --gate FILE --gate-step K
+(after step K, wait until FILE exists: the test decides when the job goes on).
 """
 
 import argparse
@@ -28,6 +29,8 @@ p.add_argument("--progress")
 p.add_argument("--print", dest="text")
 p.add_argument("--fail-first", type=int, default=0)
 p.add_argument("--state")
+p.add_argument("--gate")
+p.add_argument("--gate-step", type=int, default=0)
 p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
 a = p.parse_args()
 
@@ -65,6 +68,10 @@ for step in range(start + 1, a.steps + 1):
     if a.progress:
         with open(a.progress, "a") as f:
             f.write(f"{step}\n")
+    if a.gate and step == a.gate_step:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(a.gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 code = a.exit
 if a.fail_first and a.state:

@@ -44,8 +44,12 @@ def _setup(tmp_path):
 
 
 def _cli(*args):
+    from pathlib import Path
+
+    # From the job's folder: plan resolves `model_name_or_path: model` against where it runs, as submit does.
     return subprocess.run([sys.executable, "-m", "supervisor.cli", "plan", *args], check=False,
-                          capture_output=True, text=True,
+                          capture_output=True, text=True, cwd=Path(args[0]).parent,
+                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
                           timeout=120)
 
 

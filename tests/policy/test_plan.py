@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from supervisor.cli import plan
 
 LLAMA3_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "vocab_size": 128256,
@@ -22,6 +24,11 @@ per_device_train_batch_size: 4
 gradient_accumulation_steps: 2
 bf16: true
 """
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths resolve against where plan runs, as for submit
 
 
 def run_plan(tmp_path, capsys, *extra):
@@ -65,11 +72,12 @@ def test_plan_without_gpu_size_climbs_the_ladder_plainly(tmp_path, capsys):
     assert "zero3_offload_optimizer" in rungs
 
 
-def test_plan_warns_that_save_only_model_restarts_every_failure_from_zero(tmp_path, capsys):
+def test_plan_warns_that_save_only_model_restarts_every_failure_from_zero(tmp_path, capsys, monkeypatch):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "model").mkdir()
     (tmp_path / "a" / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     (tmp_path / "a" / "job.yaml").write_text(JOB + "save_only_model: true\n")
+    monkeypatch.chdir(tmp_path / "a")
     parser = argparse.ArgumentParser()
     plan.configure(parser)
     assert plan.run(parser.parse_args([str(tmp_path / "a" / "job.yaml")])) == 0

@@ -27,10 +27,18 @@ def test_a_clean_config_has_no_problems():
                            workdir=Path("/")) == []
 
 
-def test_gpu_memory_utilization_points_to_vllm_and_memory_fraction():
+def test_gpu_memory_utilization_says_remove_it_not_another_inference_key():
     p = problems({"gpu_memory_utilization": 0.88})["gpu_memory_utilization"]
-    assert "vLLM engine setting" in p.message and "memory_fraction" in p.message
-    assert p.suggestion == "vllm_gpu_util"
+    assert "vLLM inference setting" in p.message and "memory_fraction" in p.message
+    assert "remove this line" in p.message
+    assert p.suggestion is None, "issue 20: 'did you mean vllm_gpu_util' led to an inference key in a training config"
+
+
+def test_an_inference_only_key_in_a_training_config_is_warned_about():
+    warnings = []
+    assert validate_config({**BASE, "vllm_gpu_util": 0.88}, workdir=Path("/"), warnings=warnings) == []
+    (w,) = warnings
+    assert w.key == "vllm_gpu_util" and "no effect on training" in w.message
 
 
 def test_compute_type_suggests_bf16():
@@ -58,8 +66,12 @@ def test_deepspeed_key_at_top_level_of_the_llamafactory_config():
 def test_missing_deepspeed_file_names_the_shipped_preset_and_the_workdir(tmp_path):
     p = problems({"deepspeed": "examples/deepspeed/ds_z3_offload.json"}, tmp_path)["deepspeed"]
     assert "LLaMA-Factory ships ds_z3_offload_config.json in examples/deepspeed/, not ds_z3_offload.json" in p.message
-    assert f"relative paths resolve against the job's workdir {tmp_path}" in p.message
-    assert p.suggestion == "examples/deepspeed/ds_z3_offload_config.json"
+    assert f"a relative path resolves against the job's workdir {tmp_path}" in p.message
+    assert "drop `deepspeed:`" in p.message and p.suggestion is None, "no checkout here: no path to suggest"
+    (tmp_path / "examples" / "deepspeed").mkdir(parents=True)
+    (tmp_path / "examples" / "deepspeed" / "ds_z3_offload_config.json").write_text("{}")
+    p = problems({"deepspeed": "examples/deepspeed/ds_z3_offload.json"}, tmp_path)["deepspeed"]
+    assert p.suggestion == str(tmp_path / "examples" / "deepspeed" / "ds_z3_offload_config.json")
 
 
 def test_deepspeed_typo_inside_a_json_file(tmp_path):
@@ -76,7 +88,7 @@ def test_deepspeed_typo_in_an_inline_mapping_and_an_ignored_top_level_key():
                                   "zero_optimization": {"stage": 3, "stage3_max_live_parameter": 1e9,
                                                         "offload_optimizer": {"device": "cpu",
                                                                               "buffer_size": 1}}}})
-    top = got["deepspeed.zero_optimisation"]
+    top = got["deepspeed.zero_optimisation"]  # a typo of a section the config lacks: refused
     assert "silently ignores unknown top-level keys" in top.message and top.suggestion == "zero_optimization"
     assert got["deepspeed.zero_optimization.stage3_max_live_parameter"].suggestion == "stage3_max_live_parameters"
     assert "deepspeed.zero_optimization.offload_optimizer.buffer_size" in got

@@ -27,18 +27,18 @@ from supervisor.intake.deepspeed_config import validate_deepspeed_config
 
 SCHEMA_ENV = "OOM_SUPERVISOR_SCHEMA"
 
-# Presets LLaMA-Factory ships in examples/deepspeed/ (facts.md).
-SHIPPED_DS_PRESETS = ("ds_z0_config.json", "ds_z2_config.json", "ds_z2_offload_config.json",
-                      "ds_z3_config.json", "ds_z3_offload_config.json")
+# Presets LLaMA-Factory 0.9.5 ships in examples/deepspeed/ of its source (the wheel ships none).
+SHIPPED_DS_PRESETS = ("ds_z0_config.json", "ds_z2_autotp_config.json", "ds_z2_config.json",
+                      "ds_z2_offload_config.json", "ds_z3_config.json", "ds_z3_fp8_config.json",
+                      "ds_z3_offload_config.json")
 
 # Keys people write that LLaMA-Factory does not have, with what they meant.
 _KNOWN_MISTAKES: dict[str, tuple[str, str | None]] = {
     "gpu_memory_utilization": (
-        "not a LLaMA-Factory training argument: it is a vLLM engine setting, and LLaMA-Factory "
-        "refuses the whole config for it. Its vLLM knob is `vllm_gpu_util` (inference only); to cap "
-        "training memory leave this out and let the supervisor's memory_fraction remedy set "
-        "PyTorch's per-process memory fraction",
-        "vllm_gpu_util"),
+        "a vLLM inference setting, not a training one (LLaMA-Factory refuses the whole config for "
+        "it): remove this line. The supervisor caps training memory itself when needed (its "
+        "memory_fraction remedy sets PyTorch's per-process memory fraction)",
+        None),
     "compute_type": (
         "not a LLaMA-Factory key; precision is chosen with `bf16: true` (or `fp16: true`)",
         "bf16: true"),
@@ -53,6 +53,25 @@ _KNOWN_MISTAKES: dict[str, tuple[str, str | None]] = {
     "max_seq_length": ("LLaMA-Factory calls the sequence length `cutoff_len`", "cutoff_len"),
     "max_length": ("LLaMA-Factory calls the sequence length `cutoff_len`", "cutoff_len"),
 }
+
+# Keys transformers 5 removed from TrainingArguments (LLaMA-Factory 0.9.5 allows transformers 5.6):
+# their settings moved into `fsdp_config`.
+_MOVED_TO_FSDP_CONFIG = {
+    "fsdp_transformer_layer_cls_to_wrap": "transformer_layer_cls_to_wrap",
+    "fsdp_min_num_params": "min_num_params",
+}
+
+# Megatron-Core keys (mcore_adapter's TrainingArguments), read by LLaMA-Factory only with USE_MCA=1.
+_MEGATRON_KEYS = frozenset((
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
+    "bias_activation_fusion", "apply_rope_fusion", "use_distributed_optimizer", "overlap_param_gather",
+    "overlap_grad_reduce", "moe_grouped_gemm", "moe_token_dispatcher_type", "expert_model_parallel_size",
+    "recompute_granularity", "context_parallel_size", "virtual_pipeline_model_parallel_size",
+    "expert_tensor_parallel_size", "moe_layer_freq", "recompute_method", "recompute_num_layers",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"))
+
+# Keys only LLaMA-Factory's inference engines read (chat/api/export): no effect on a training run.
+_INFERENCE_ONLY_PREFIXES = ("vllm_", "sglang_")
 
 _LORA_ONLY = ("lora_target", "lora_rank", "lora_alpha", "lora_dropout", "additional_target",
               "use_rslora", "use_dora", "loraplus_lr_ratio", "pissa_init")
@@ -78,23 +97,52 @@ def nearest(key: str, valid: Any) -> str | None:
     return hits[0] if hits else None
 
 
-def validate_config(config: Mapping[str, Any], *, workdir: Path, schema: str | None = None) -> list[Problem]:
-    """Every problem in a LLaMA-Factory train config (without the supervisor block)."""
+def env_enabled(env: Mapping[str, str] | None, name: str) -> bool:
+    """LLaMA-Factory's own `is_env_enabled`: only "true", "y" and "1" (any case) count."""
+    return str((env or {}).get(name, "")).strip().lower() in ("true", "y", "1")
+
+
+def validate_config(config: Mapping[str, Any], *, workdir: Path, schema: str | None = None,
+                    env: Mapping[str, str] | None = None,
+                    warnings: list[Problem] | None = None) -> list[Problem]:
+    """Every problem in a LLaMA-Factory train config (without the supervisor block).
+
+    `env` is the job's own environment (its `supervisor.env`): ALLOW_EXTRA_ARGS and USE_MCA change
+    which keys LLaMA-Factory accepts. What is worth saying but does not stop a run goes to
+    `warnings` when given (dropped otherwise: a launch-time re-check must not refuse for it)."""
     source = schema_source(schema)
     fields = lf_fields(source)
     ds_top = _ds_top_level(source)
     problems: list[Problem] = []
+    said: list[Problem] = warnings if warnings is not None else []
+    extra_ok = env_enabled(env, "ALLOW_EXTRA_ARGS")
+    mca = env_enabled(env, "USE_MCA")
     for key, value in config.items():
         spec = fields.get(key)
         if spec is None:
-            problems.append(_unknown_key(str(key), fields, ds_top))
+            p = _unknown_key(str(key), fields, ds_top)
+            if mca and key not in _KNOWN_MISTAKES:
+                said.append(Problem(p.key, "not a LLaMA-Factory key; with USE_MCA=1 it goes to Megatron-Core "
+                                           "(mcore_adapter), whose keys are not checked here"))
+            elif extra_ok:
+                said.append(Problem(p.key, p.message + "; ALLOW_EXTRA_ARGS is set in the job's env, so "
+                                                       "LLaMA-Factory ignores it", p.suggestion))
+            else:
+                problems.append(p)
             continue
         msg = value_problem(value, spec)
         if msg:
             problems.append(Problem(str(key), msg))
+        elif str(key).startswith(_INFERENCE_ONLY_PREFIXES):
+            said.append(Problem(str(key), "only LLaMA-Factory's vLLM/SGLang inference (chat, api, export) "
+                                          "reads it: no effect on training; remove it"))
+    if config.get("infer_backend") not in (None, "huggingface"):
+        problems.append(Problem("infer_backend", f"{config['infer_backend']!r} is an inference engine; "
+                                "LLaMA-Factory refuses it for training (\"vLLM/SGLang backend is only "
+                                "available for API, CLI and Web\"): remove the line", None))
     problems += _contradictions(config)
     if "deepspeed" in config and config["deepspeed"] is not None:
-        problems += _deepspeed_problems(config["deepspeed"], workdir, source)
+        problems += _deepspeed_problems(config["deepspeed"], workdir, source, config, said)
     return problems
 
 
@@ -117,6 +165,15 @@ def _unknown_key(key: str, fields: Mapping[str, Any], ds_top: Any) -> Problem:
     if key in _KNOWN_MISTAKES:
         message, suggestion = _KNOWN_MISTAKES[key]
         return Problem(key, message, suggestion)
+    if key in _MOVED_TO_FSDP_CONFIG:
+        inner = _MOVED_TO_FSDP_CONFIG[key]
+        return Problem(key, f"transformers 5 (installed with LLaMA-Factory 0.9.5) no longer has it and "
+                            f"LLaMA-Factory refuses the config: write it inside fsdp_config instead, "
+                            f"e.g. `fsdp_config: {{{inner}: ...}}`", f"fsdp_config: {{{inner}: ...}}")
+    if key in _MEGATRON_KEYS:
+        return Problem(key, "a Megatron-Core (mcore_adapter) key: LLaMA-Factory reads it only when the job's "
+                            "environment sets USE_MCA=1 (and mcore_adapter is installed there); add "
+                            "`env: {USE_MCA: \"1\"}` to the supervisor block, or remove the key")
     if key in ds_top:
         return Problem(key, "a DeepSpeed config key at the top level of a LLaMA-Factory config; "
                             "put it inside the `deepspeed:` mapping or JSON file", "deepspeed")
@@ -199,9 +256,10 @@ def _contradictions(config: Mapping[str, Any]) -> list[Problem]:
     return out
 
 
-def _deepspeed_problems(value: Any, workdir: Path, source: str) -> list[Problem]:
+def _deepspeed_problems(value: Any, workdir: Path, source: str, config: Mapping[str, Any],
+                        warnings: list[Problem]) -> list[Problem]:
     if isinstance(value, Mapping):
-        return validate_deepspeed_config(value, prefix="deepspeed", schema=source)
+        return validate_deepspeed_config(value, prefix="deepspeed", schema=source, warnings=warnings)
     if not isinstance(value, str):
         return [Problem("deepspeed", "must be a path to a JSON file, an inline JSON string or a mapping")]
     text = value.strip()
@@ -210,32 +268,64 @@ def _deepspeed_problems(value: Any, workdir: Path, source: str) -> list[Problem]
             cfg = json.loads(text)
         except json.JSONDecodeError as exc:
             return [Problem("deepspeed", f"inline DeepSpeed JSON does not parse: {exc}")]
-        return validate_deepspeed_config(cfg, prefix="deepspeed", schema=source)
+        return validate_deepspeed_config(cfg, prefix="deepspeed", schema=source, warnings=warnings)
     path = Path(text).expanduser()
     resolved = path if path.is_absolute() else workdir / path
     if not resolved.is_file():
-        return [_missing_ds_file(text, path, resolved, workdir)]
+        return [_missing_ds_file(text, path, resolved, workdir, config)]
     try:
         cfg = json.loads(resolved.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         return [Problem("deepspeed", f"{resolved} is not readable JSON: {exc}")]
-    return [Problem(p.key, f"{p.message} (in {resolved})", p.suggestion)
-            for p in validate_deepspeed_config(cfg, prefix="deepspeed", schema=source)]
+    found: list[Problem] = []
+    out = [Problem(p.key, f"{p.message} (in {resolved})", p.suggestion)
+           for p in validate_deepspeed_config(cfg, prefix="deepspeed", schema=source, warnings=found)]
+    warnings += [Problem(p.key, f"{p.message} (in {resolved})", p.suggestion) for p in found]
+    return out
 
 
-def _missing_ds_file(text: str, path: Path, resolved: Path, workdir: Path) -> Problem:
-    where = "" if path.is_absolute() else f" (relative paths resolve against the job's workdir {workdir})"
+_REMEDY_ADVICE = ("or drop `deepspeed:`: when memory runs out, the supervisor's zero3 remedies "
+                  "generate a ZeRO-3 (offload) config themselves")
+
+
+def _missing_ds_file(text: str, path: Path, resolved: Path, workdir: Path,
+                     config: Mapping[str, Any]) -> Problem:
+    """Advice that leads to an accepted config: the absolute path of the preset where a
+    LLaMA-Factory checkout near the job has it (never a different preset), else dropping the key."""
+    where = ("" if path.is_absolute() else
+             f" (a relative path resolves against the job's workdir {workdir}, where you ran submit)")
     message = f"DeepSpeed config {text!r} does not exist: looked for {resolved}{where}"
-    suggestion = None
-    if path.name not in SHIPPED_DS_PRESETS:
-        near = nearest(path.name, SHIPPED_DS_PRESETS)
+    name = path.name
+    if name not in SHIPPED_DS_PRESETS:
+        near = nearest(name, SHIPPED_DS_PRESETS)
         if near:
-            suggestion = str(path.with_name(near))
-            message += (f". LLaMA-Factory ships {near} in examples/deepspeed/, not {path.name}")
-    elif resolved.parent.is_dir():
-        suggestion = None
-    if suggestion is None and resolved.parent.is_dir():
+            message += f". LLaMA-Factory ships {near} in examples/deepspeed/, not {name}"
+            name = near
+    found = _find_preset(name, workdir, config) if name in SHIPPED_DS_PRESETS else None
+    if found is not None:
+        return Problem("deepspeed", f"{message}; found it at {found}: give that path", str(found))
+    if resolved.parent.is_dir():
         near = nearest(path.name, [p.name for p in resolved.parent.glob("*.json")])
         if near:
-            suggestion = str(path.with_name(near))
-    return Problem("deepspeed", message, suggestion)
+            return Problem("deepspeed", f"{message}; {resolved.parent} has {near}",
+                           str(resolved.parent / near))
+    if name in SHIPPED_DS_PRESETS:
+        message += (f". It is a preset of LLaMA-Factory's source checkout (examples/deepspeed/{name}; the "
+                    "pip package ships none): give its absolute path in your checkout, or run submit from "
+                    "the checkout's root")
+    return Problem("deepspeed", f"{message}, {_REMEDY_ADVICE}", None)
+
+
+def _find_preset(name: str, workdir: Path, config: Mapping[str, Any]) -> Path | None:
+    """`name` in a LLaMA-Factory checkout the job points at: the workdir itself or the folder
+    holding its dataset_dir (a checkout's data/ sits beside examples/)."""
+    roots = [workdir]
+    ddir = config.get("dataset_dir")
+    if isinstance(ddir, str) and ddir not in ("ONLINE",) and not ddir.startswith("REMOTE:"):
+        d = Path(ddir).expanduser()
+        roots.append((d if d.is_absolute() else workdir / d).parent)
+    for root in roots:
+        cand = root / "examples" / "deepspeed" / name
+        if cand.is_file():
+            return cand
+    return None
