@@ -98,15 +98,19 @@ def test_kill9_daemon_then_restart_adopts_and_finishes(daemon, tmp_path):
 def test_kill9_daemon_with_stop_on_restart_starts_a_new_attempt(dirs, tmp_path):
     state, spool, _ = dirs
     d = DaemonProc(state, spool, write_config(tmp_path / "c.yaml", on_restart="stop"), tmp_path / "d.log")
-    progress = tmp_path / "progress.txt"
+    progress, gate = tmp_path / "progress.txt", tmp_path / "go-on"
     d.start()
     try:
-        # Long enough that the restarted daemon finds it still running on a loaded box (one that ended
-        # on its own before the restarted daemon's stop is judged as it ended, rightly).
-        drop(spool, "long.yaml", job(tmp_path, "--steps", "60", "--sleep", "0.1", f"--progress={progress}"))
+        # The job holds at step 3 until the restarted daemon has stopped it (however loaded the box is,
+        # it is still running then); the next attempt goes on past the gate once it is opened.
+        drop(spool, "long.yaml", job(tmp_path, "--steps", "20", "--sleep", "0.01", f"--progress={progress}",
+                                     f"--gate={gate}", "--gate-step=3"))
         d.wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 3, what="progress")
         d.kill9()
         d.start()
+        d.wait_for(lambda: any(e["kind"] == "attempt_stopped_on_restart" for e in d.show(1)["events"]),
+                   what="the restarted daemon stopping the attempt")
+        gate.write_text("")
         d.wait_state(1, "succeeded", timeout=60)
         shown = d.show(1)
         assert shown["attempts"] == 2
@@ -114,7 +118,7 @@ def test_kill9_daemon_with_stop_on_restart_starts_a_new_attempt(dirs, tmp_path):
         assert first["interrupted"] and second["exit"]["returncode"] == 0
         assert "TWO ATTEMPTS AT ONCE" not in d.cli("logs", "1", "--attempt", "2").stdout
         steps = [int(x) for x in progress.read_text().split()]
-        assert steps[-1] == 60 and len(steps) == len(set(steps)), "continued, never ran twice at once"
+        assert steps[-1] == 20 and len(steps) == len(set(steps)), "continued, never ran twice at once"
     finally:
         d.stop(signal.SIGKILL)
     assert no_job_processes(tmp_path)
