@@ -47,6 +47,10 @@ class MetricsSpec(BaseModel):
     address: str | None = "127.0.0.1:9839"   # null: no HTTP endpoint
     textfile: Path | None = None             # e.g. /var/lib/node-exporter/oom_supervisor.prom
     interval: float = 15.0                   # seconds between textfile rewrites
+    # Job names as a label of the per-job series. Off: the endpoint answers any local user (and the
+    # textfile is world-readable for node-exporter), and a name can say what someone trains; the job
+    # id is there to look it up with `status`.
+    job_names: bool = False
 
     @field_validator("address")
     @classmethod

@@ -22,6 +22,8 @@ from typing import Any
 
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from supervisor.service.escape import chat_text
+
 QUEUE_SIZE = 200
 USER_AGENT = "oom-supervisor-webhook/1"
 
@@ -35,12 +37,14 @@ class WebhookError(RuntimeError):
 
 
 def event_text(event: Mapping[str, Any]) -> str:
-    """The one line a chat shows: 'job 3 (llama-lora) failed: <why>'."""
+    """The one line a chat shows: 'job 3 (llama-lora) failed: <why>'. Names and messages come from
+    job files and logs: escaped for the chat (`chat_text`), so they read as text and never ping or
+    link; the event's other JSON fields stay exact for programs."""
     who = f"job {event.get('job')}" + (f" ({event['name']})" if event.get("name") else "")
     text = f"oom-supervisor: {who} {event.get('event', 'event')}"
     if event.get("message"):
         text += f": {event['message']}"
-    return text
+    return chat_text(text)
 
 
 def payload(event: Mapping[str, Any]) -> bytes:
