@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("daemon", help="run the supervisor in the foreground (what systemd runs)")
     _common(p)
     p.add_argument("--json-logs", action="store_true", default=None, help="JSON log lines even on a TTY")
+    p.add_argument("--mode", choices=("system", "single-user"),
+                   help="system: each job runs as the user who submitted it (needs root: the system unit); "
+                        "single-user (default): jobs run as the daemon's user (config key `mode`)")
 
     p = sub.add_parser("submit", help="validate a job file and put it in the spool")
     _common(p)
@@ -105,7 +108,7 @@ def _config(args: argparse.Namespace):
 
     try:
         return load_config(getattr(args, "config", None), state_dir=getattr(args, "state_dir", None),
-                           spool_dir=getattr(args, "spool_dir", None))
+                           spool_dir=getattr(args, "spool_dir", None), mode=getattr(args, "mode", None))
     except ConfigError as exc:
         print(f"oom-supervisor: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
@@ -135,13 +138,14 @@ def _store(cfg, *, must_exist: bool = True):
 
 def cmd_daemon(args) -> int:
     from supervisor.daemon.loop import Daemon, DaemonLocked
+    from supervisor.daemon.system import NotRoot
     from supervisor.service.logsetup import configure
 
     configure(json=True if args.json_logs else None)
     cfg = _config(args)
     try:
         return Daemon(cfg).run()
-    except DaemonLocked as exc:
+    except (DaemonLocked, NotRoot) as exc:
         print(f"oom-supervisor: {exc}", file=sys.stderr)
         return EXIT_FAIL
 
@@ -316,14 +320,15 @@ def cmd_status(args) -> int:
     console = Console(highlight=False)
     wide = console.width >= 120
     table = Table(box=None, pad_edge=False)
-    for col in ("ID", "NAME", "STATE", "ATT", "PROGRESS", "LAST", "REMEDY"):
+    owners = any(r.get("owner") for r in rows)  # a shared box: say whose each job is (like squeue)
+    for col in ("ID", *(("OWNER",) if owners else ()), "NAME", "STATE", "ATT", "PROGRESS", "LAST", "REMEDY"):
         # Short fixed words stay whole; the rest wrap rather than being cut at 80 columns.
         table.add_column(col, no_wrap=col in ("ID", "STATE", "ATT"), overflow="fold")
     if wide:
         table.add_column("WHY", overflow="fold")
     for r in rows:
-        cells = [str(r["id"]), r["name"], r["state"], str(r["attempts"]), r["progress"] or "-",
-                 r["last_diagnosis"] or "-", r["remedy"] or "-"]
+        cells = [str(r["id"]), *((r.get("owner") or "-",) if owners else ()), r["name"], r["state"],
+                 str(r["attempts"]), r["progress"] or "-", r["last_diagnosis"] or "-", r["remedy"] or "-"]
         table.add_row(*(Text(str(c)) for c in cells), *([Text(r["reason"] or "")] if wide else []))
     if paused:
         line = Text("queue paused", style="bold red")

@@ -132,7 +132,7 @@ def print_timeline(data: dict[str, Any], console: Console | None = None) -> None
     data = clean(data)
     head = Text()
     head.append(f"job {data['id']}", style="bold")
-    head.append(f" {data['name']}  state: ")
+    head.append(f" {data['name']}" + (f"  owner: {data['owner']}" if data.get("owner") else "") + "  state: ")
     head.append(str(data["state"]), style="bold")
     head.append(f"  attempts: {data['attempts']}  workdir: {data['workdir']}")
     console.print(head)
