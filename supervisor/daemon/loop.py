@@ -34,6 +34,7 @@ from typing import Any
 
 from supervisor.core.paths import StatePaths
 from supervisor.core.states import JobState
+from supervisor.daemon import system
 from supervisor.daemon.config import DaemonConfig
 from supervisor.daemon.facts import ENV_DROP_PREFIXES
 from supervisor.daemon.follow import STUCK_AFTER_S, Active, describe
@@ -96,6 +97,7 @@ class Daemon:
         self.state: StatePaths = self.cfg.state
         self.state.ensure()
         self.cfg.spool.ensure()
+        self.gate = system.prepare(self.cfg, log=log)  # system mode: who may submit; private folders
         self.lock = StateLock(self.state.lock)
         self.store: Store | None = None
         self.notifier = Notifier(self.cfg.notify, log=log, webhooks=self.cfg.webhooks)
@@ -294,7 +296,7 @@ class Daemon:
                                launch_here=self.cfg.backend != "slurm", where="intake")
         intake(self.cfg.spool, self.state, self.store, settle_s=self.cfg.settle_time,
                max_bytes=self.cfg.max_job_file_bytes, now=self.clock(), log=log,
-               policy_dirs=self.cfg.policy_search_dirs(), context=context)
+               policy_dirs=self.cfg.policy_search_dirs(), context=context, gate=self.gate)
 
     def step_control(self) -> None:
         """Act on requests the CLI left in the record (cancel of a running job)."""
