@@ -43,6 +43,7 @@ from supervisor.intake.spool import CheckContext, intake, output_dir_of_job
 from supervisor.record.store import JobRow, Store
 from supervisor.run.diskfull import describe_full, free_bytes, is_disk_full
 from supervisor.service.logsetup import log
+from supervisor.service import control
 from supervisor.service.metrics import Metrics, RunningJob
 from supervisor.service.notify import Notifier
 from supervisor.service.sdnotify import ServiceNotifier, status_from_store
@@ -119,6 +120,7 @@ class Daemon:
         self.store.event(None, "daemon", f"daemon started (pid {os.getpid()}); attempt ownership: {ownership}")
         if self.metrics is not None:
             self.metrics.start()
+        self.control = control.serve(self.cfg, log=log)  # a shared box: users' queries and requests
         try:
             self.recover()
             self.service.ready(self._status_line())
@@ -130,6 +132,8 @@ class Daemon:
             self.shutdown()
             if self.metrics is not None:
                 self.metrics.close()
+            if self.control is not None:
+                self.control.stop()
             self.runner.backend.close()
             for s, h in old.items():
                 signal.signal(s, h)
