@@ -30,6 +30,7 @@ import psutil
 from supervisor import SOURCE_ROOT
 from supervisor.core.paths import AttemptPaths
 from supervisor.run.fsutil import atomic_write_json
+from supervisor.run.identity import Identity
 from supervisor.run.limits import JobCgroup
 from supervisor.run.ownership import Owner
 from supervisor.run.shim import INIT_COMM, LINGER_COMM
@@ -160,10 +161,12 @@ class Handle:
 
 def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
            rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
-           owner: Owner | None = None, max_log_bytes: int | None = None) -> Handle:
-    """Write launch.json and start the shim in a new session (no shell)."""
+           owner: Owner | None = None, max_log_bytes: int | None = None,
+           identity: Identity | None = None, require_identity: bool = False) -> Handle:
+    """Write launch.json and start the shim in a new session (no shell). With `identity` the
+    shim (root) runs the command as that user; `require_identity`: it runs nothing without one."""
     write_launch(paths, argv=argv, cwd=cwd, env=env, rlimits=rlimits, cgroup=cgroup, owner=owner,
-                 max_log_bytes=max_log_bytes)
+                 max_log_bytes=max_log_bytes, identity=identity, require_identity=require_identity)
     with open(paths.log, "ab") as log:
         popen = subprocess.Popen(
             [sys.executable, "-m", "supervisor.run.shim", str(paths.launch)],
@@ -180,7 +183,8 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
 
 def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
                  rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
-                 owner: Owner | None = None, max_log_bytes: int | None = None) -> Path:
+                 owner: Owner | None = None, max_log_bytes: int | None = None,
+                 identity: Identity | None = None, require_identity: bool = False) -> Path:
     """What the shim runs with (it is also what a Slurm job's shim reads)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -196,6 +200,8 @@ def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[s
         # No cgroup: the shim makes the attempt a PID namespace of its own (see ownership.Owner).
         "pid_namespace": owner is not None and owner.pidns_file is not None,
         "pidns_file": str(owner.pidns_file) if owner is not None and owner.pidns_file else None,
+        "identity": identity.to_dict() if identity is not None else None,
+        "require_identity": require_identity,
     }
     atomic_write_json(paths.launch, spec, mode=0o600)  # the environment may hold tokens
     return paths.launch
