@@ -77,12 +77,26 @@ class Webhook:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=self.label, daemon=True)
         self._thread.start()
+        self._check_source()
+
+    def _check_source(self) -> None:
+        """Said at start-up, not at the first failure hours later: a URL that is not there, or a
+        file others may read."""
+        spec = self.spec
+        if spec.url_env and not self.env.get(spec.url_env, "").strip():
+            self.log.warning("webhook_url_missing", hook=self.label,
+                             hint=f"set {spec.url_env} in the daemon's environment (the system unit reads "
+                                  "/etc/oom-supervisor/supervisor.env, 0600); nothing is posted until then")
+            return
+        if spec.url_file is None:
+            return
         try:
-            if spec.url_file is not None and spec.url_file.stat().st_mode & 0o044:
-                log.warning("webhook_url_file_readable_by_others", hook=self.label,
-                            hint=f"the URL is a secret: chmod 600 {spec.url_file}")
-        except OSError:
-            pass  # missing: said when sending
+            if spec.url_file.stat().st_mode & 0o044:
+                self.log.warning("webhook_url_file_readable_by_others", hook=self.label,
+                                 hint=f"the URL is a secret: chmod 600 {spec.url_file}")
+        except OSError as exc:
+            self.log.warning("webhook_url_missing", hook=self.label,
+                             hint=f"cannot read {spec.url_file}: {exc.strerror}; nothing is posted until it can be")
 
     def wants(self, kind: str | None) -> bool:
         return "*" in self.spec.on or kind in self.spec.on
