@@ -9,9 +9,13 @@ so a user removed from a group, or from the box, loses it for their next attempt
 
 from __future__ import annotations
 
+import ctypes
 import grp
 import os
+import platform
 import pwd
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -52,6 +56,15 @@ def lookup(uid: int) -> Identity:
     groups = tuple(sorted(set(os.getgrouplist(pw.pw_name, pw.pw_gid))))
     return Identity(uid=pw.pw_uid, gid=pw.pw_gid, groups=groups, user=pw.pw_name, home=pw.pw_dir,
                     shell=pw.pw_shell or "/bin/sh")
+
+
+def myself() -> Identity:
+    """The daemon's own user (single-user mode: its jobs run as it)."""
+    try:
+        return lookup(os.geteuid())
+    except UnknownUser:  # a container's uid without an entry
+        return Identity(uid=os.geteuid(), gid=os.getegid(), groups=tuple(os.getgroups()),
+                        user=os.environ.get("USER") or str(os.geteuid()), home=os.environ.get("HOME") or "/")
 
 
 def user_name(uid: int | None) -> str | None:
@@ -119,3 +132,63 @@ class SubmitGate:
             return (f"its owner {who.user} (uid {uid}) is not a member of {self.group!r}; only its members may "
                     f"submit (sudo usermod -aG {self.group} {who.user})")
         return None
+
+
+# Raw system call numbers: glibc's setgroups (and setuid family) change every thread of the process
+# (POSIX semantics, its setxid broadcast); the kernel's calls change the calling thread only.
+_SYSCALLS = {"x86_64": {"setgroups": 116, "setfsuid": 122, "setfsgid": 123},
+             "aarch64": {"setgroups": 159, "setfsuid": 151, "setfsgid": 152}}
+
+
+class ActingError(OSError):
+    pass
+
+
+def _syscall(name: str, *args) -> int:
+    nums = _SYSCALLS.get(platform.machine())
+    if nums is None:
+        raise ActingError(f"acting as a user on this thread is not supported on {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(nums[name], *args)
+
+
+def _thread_groups(groups: tuple[int, ...] | list[int]) -> None:
+    arr = (ctypes.c_uint * max(1, len(groups)))(*groups)
+    if _syscall("setgroups", ctypes.c_size_t(len(groups)), arr) != 0:
+        raise ActingError(ctypes.get_errno(), "setgroups on this thread failed")
+
+
+def _fsids(uid: int, gid: int) -> None:
+    _syscall("setfsgid", ctypes.c_uint(gid))
+    _syscall("setfsuid", ctypes.c_uint(uid))
+    # setfs*id(-1) changes nothing and returns the current value: the only way to know it took.
+    if _syscall("setfsuid", ctypes.c_uint(0xFFFFFFFF)) != uid or _syscall("setfsgid", ctypes.c_uint(0xFFFFFFFF)) != gid:
+        raise ActingError(f"could not act as uid {uid} gid {gid} on this thread")
+
+
+@contextmanager
+def acting_as(identity: Identity | None) -> Iterator[None]:
+    """File access on this thread as `identity` (its fs uid, fs gid and groups), the rest of the
+    process untouched: the daemon (root) reads and changes a job's output folder with exactly the
+    job's user's rights, so a path or a link the user chose cannot reach what they may not (another
+    user's checkpoints, the state folder). No-op for None or when not root. A program started
+    inside must still be given the user itself (subprocess user=...): exec takes the real uid; a
+    thread started inside would keep the user's rights: start none."""
+    if identity is None or os.geteuid() != 0 or identity.uid == 0:
+        yield
+        return
+    groups = os.getgroups()
+    _thread_groups(identity.groups)
+    try:
+        _fsids(identity.uid, identity.gid)
+        yield
+    finally:
+        _fsids(0, os.getegid())
+        _thread_groups(groups)
+
+
+def as_user_kwargs(identity: Identity | None) -> dict:
+    """subprocess arguments that run a program as `identity` (nothing for None or when not root)."""
+    if identity is None or os.geteuid() != 0 or identity.uid == 0:
+        return {}
+    return {"user": identity.uid, "group": identity.gid, "extra_groups": list(identity.groups)}

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ..service.conftest import http_server, rlog  # noqa: F401  (the real logger captured; a real HTTP server)
+
 REPO = Path(__file__).resolve().parents[2]
 MARK = "oom-supervisor test user"
 SUBMIT, ADMIN = "oomsv-test-submit", "oomsv-test-admin"
