@@ -19,7 +19,8 @@ budget of files and seconds and goes on at the next call.
 Who submitted: the owner of the file, read with fstat on the file as opened (O_NOFOLLOW), and
 recorded with the job. A single-user daemon takes only its own user's (and root's) files. On a
 shared box (system mode, the daemon is root) only root and the members of the submit group may
-submit, a file with other hard links is refused, and the folders are private: `incoming/` is 1730 root:<submit group> (members create files, nobody
+submit, a file with other hard links is refused, its checks read the job's paths as its submitter,
+and the folders are private: `incoming/` is 1730 root:<submit group> (members create files, nobody
 lists or reads another's; `submit` writes them 0600), `rejected/` is 0711 (a refusal and its
 reason are the submitter's, 0600, opened by name) and `claimed/` is root's alone.
 """
@@ -49,7 +50,7 @@ from supervisor.intake import preflight
 from supervisor.intake.jobspec import JobFileError, JobSpec, Partial, load_yaml_with_lines, parse_job_text
 from supervisor.record.store import Store
 from supervisor.run.fsutil import atomic_write_text, fsync_dir
-from supervisor.run.identity import SubmitGate, user_name
+from supervisor.run.identity import SubmitGate, UnknownUser, acting_as, lookup, user_name
 
 TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".swp", "~")
 SPOOL_FILE_MODE = 0o600  # a job file may hold tokens: its submitter's alone (the daemon is root)
@@ -350,9 +351,18 @@ def _check(path: Path, cname: str, shown: str, max_bytes: int, policy_dirs: Sequ
     if "\0" in text:
         raise JobFileError([Problem("(file)", "contains a NUL byte; job files are YAML text")])
     jobs = jobs_of(store.conn, state)
-    checked = check_job(text, source=shown, submit_dir=spool_root, policy_dirs=policy_dirs,
-                        context=context, jobs=jobs)
+    with acting_as(_submitter(st.st_uid) if gate is not None and gate.shared else None):
+        # A shared box: the job's paths (datasets, models) are looked at as its submitter sees them.
+        checked = check_job(text, source=shown, submit_dir=spool_root, policy_dirs=policy_dirs,
+                            context=context, jobs=jobs)
     return checked.spec, text, key, st.st_uid
+
+
+def _submitter(uid: int):
+    try:
+        return lookup(uid)
+    except UnknownUser:
+        return None
 
 
 def _kind(mode: int) -> str:

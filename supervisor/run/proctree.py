@@ -184,15 +184,17 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
 def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
                  rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
                  owner: Owner | None = None, max_log_bytes: int | None = None,
-                 identity: Identity | None = None, require_identity: bool = False) -> Path:
-    """What the shim runs with (it is also what a Slurm job's shim reads)."""
-    paths.root.mkdir(parents=True, exist_ok=True)
+                 identity: Identity | None = None, require_identity: bool = False,
+                 exit_record: Path | None = None) -> Path:
+    """What the shim runs with (it is also what a Slurm job's shim reads; `exit_record` where that
+    shim, running as the job's user, may write it)."""
+    paths.root.mkdir(parents=True, exist_ok=True, mode=0o700)
     spec = {
         "argv": list(argv),
         "cwd": str(cwd),
         "env": env,
         "log": str(paths.log),
-        "exit_record": str(paths.exit_record),
+        "exit_record": str(exit_record or paths.exit_record),
         "rlimits": rlimits or {},
         "cgroup_procs": str(cgroup.procs_file) if cgroup else None,
         "owner_procs": str(owner.procs_file) if owner is not None and owner.procs_file else None,
