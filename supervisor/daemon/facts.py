@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from supervisor.core.jobenv import inherited
 from supervisor.core.models import AttemptRecord, Diagnosis, ExitRecord, JobContext, Overrides
 from supervisor.daemon.config import DaemonConfig
 from supervisor.intake import jobspec as jobspec_mod
@@ -27,10 +28,8 @@ from supervisor.judge.kinds import kind_of
 from supervisor.judge.plan import JobFacts, Learned, ResumeFacts, compose_environment
 from supervisor.record.store import JobRow, Store
 from supervisor.run.fsutil import read_json
-from supervisor.run.identity import Identity, UnknownUser, acting_as, as_user_kwargs, lookup
+from supervisor.run.identity import Identity, UnknownUser, acting_as, as_user_kwargs, lookup, myself
 from supervisor.service.logsetup import log
-
-ENV_DROP_PREFIXES = ("OOM_SUPERVISOR_",)
 
 
 class Facts:
@@ -112,9 +111,24 @@ class Facts:
             return read_json(spec.resolve(text))
         return None
 
-    def base_env(self) -> dict[str, str]:
-        """What every job's environment starts from: the daemon's, minus its own variables."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROP_PREFIXES)}
+    def inherited_env(self) -> dict[str, str]:
+        """The part of the daemon's environment a job gets (core/jobenv.py): PATH, locale, TZ,
+        proxies, CA bundles, GPU visibility, plus the config's pass_env; never a webhook's URL
+        variable (nor anything else of the daemon's)."""
+        secrets = {h.url_env for h in self.cfg.webhooks if h.url_env}
+        return inherited(os.environ, pass_env=self.cfg.pass_env, secrets=secrets)
+
+    def base_env(self, identity: Identity | None = None) -> dict[str, str]:
+        """What a job's environment starts from, never the daemon's: the allowlist, its user's
+        HOME/USER/LOGNAME (`identity`, or the one acted as; single-user: the daemon's own), then
+        the config's `env:` (the job's own `env:` and the remedy come after, in the plan)."""
+        who = identity or self._acting
+        env = self.inherited_env()
+        if who is not None:
+            env.update(who.login_env())
+        else:  # single-user: the daemon's own user
+            env.update({k: os.environ[k] for k in ("HOME", "USER", "LOGNAME") if os.environ.get(k)}
+                       or myself().login_env())
         env.update(self.cfg.env)
         return env
 

@@ -36,7 +36,6 @@ from supervisor.core.paths import StatePaths
 from supervisor.core.states import JobState
 from supervisor.daemon import system
 from supervisor.daemon.config import DaemonConfig
-from supervisor.daemon.facts import ENV_DROP_PREFIXES
 from supervisor.daemon.follow import STUCK_AFTER_S, Active, describe
 from supervisor.daemon.runner import Runner
 from supervisor.intake.spool import CheckContext, intake, output_dir_of_job
@@ -293,9 +292,9 @@ class Daemon:
 
     # --- steps ----------------------------------------------------------------------
     def step_intake(self) -> None:
-        # The pre-launch checks see what attempts will: this environment (less our own variables,
-        # as attempts get it), the config's env, and whether attempts run on this box.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROP_PREFIXES)}
+        # The pre-launch checks see what attempts will: the part of this environment attempts get
+        # (an allowlist), the config's env, and whether attempts run on this box.
+        env = self.runner.facts.inherited_env()
         context = CheckContext(base_env=env, daemon_env=dict(self.cfg.env),
                                launch_here=self.cfg.backend != "slurm", where="intake")
         intake(self.cfg.spool, self.state, self.store, settle_s=self.cfg.settle_time,

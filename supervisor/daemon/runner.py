@@ -178,7 +178,8 @@ class Runner:
         n, spec = plan.number, plan.spec
         paths = self.cfg.state.job(job.id).attempt(n)
         tag = self.backend.attempt_tag(job.id, n)
-        env = {**plan.env, MARKER_ENV: tag, PEAK_FILE_ENV: str(paths.root / "gpu_peak.json")}
+        # The hook's in-process peaks go to the attempt's folder of the job's own (never the state's).
+        env = {**plan.env, MARKER_ENV: tag, PEAK_FILE_ENV: str(paths.peak_file)}
         atomic_write_json(paths.environment, {"argv": plan.rendered.argv, "cwd": str(spec.workdir), "env": env,
                                               "set_by_attempt": plan.rendered.env}, mode=0o600)
         attemptdir.give(paths.environment, ident)

@@ -278,7 +278,7 @@ class Verdicts:
             record_finished(self.facts.cfg.state.root, context, this.overrides,
                             diagnosis, succeeded=diagnosis.category == Category.SUCCESS,
                             max_step=progress.get("max_step"), resumed_from_step=this.resumed_from_step,
-                            peak_file=act.paths.root / "gpu_peak.json", host=host, job=job.name if job else "",
+                            peak_file=act.paths.peak_file, host=host, job=job.name if job else "",
                             attempt=act.number, time=self.clock())
         except Exception:
             log.exception("observation_not_recorded", job=act.job_id)

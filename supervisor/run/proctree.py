@@ -29,6 +29,7 @@ import psutil
 
 from supervisor import SOURCE_ROOT
 from supervisor.core.paths import AttemptPaths
+from supervisor.core.jobenv import inherited
 from supervisor.run.fsutil import atomic_write_json
 from supervisor.run.identity import Identity
 from supervisor.run.limits import JobCgroup
@@ -172,7 +173,9 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
             [sys.executable, "-m", "supervisor.run.shim", str(paths.launch)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             start_new_session=True, close_fds=True,
-            env={**os.environ, "PYTHONPATH": _package_root()},
+            # The shim needs nothing of the daemon's environment (its secrets included); the command
+            # gets launch.json's env only.
+            env={**inherited(os.environ), "PYTHONPATH": _package_root()},
         )
     try:
         create_time = psutil.Process(popen.pid).create_time()
