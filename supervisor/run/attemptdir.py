@@ -47,19 +47,17 @@ def make(paths: AttemptPaths, identity: Identity | None) -> None:
     os.chmod(paths.root, SHARED_MODE)  # mkdir's mode passes through the umask
     paths.user_dir.mkdir(mode=PRIVATE_MODE)
     os.chown(paths.user_dir, identity.uid, identity.gid)
-    fd = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchown(fd, identity.uid, identity.gid)
-    finally:
-        os.close(fd)
+    # The log is handed to its user by whoever opens it for writing first (proctree.launch, as root:
+    # the descriptor stays writable after the chown; without CAP_DAC_OVERRIDE a user's file could
+    # not be opened for writing), or before sbatch (the Slurm step opens it as the user).
 
 
 def give(path: Path, identity: Identity | None) -> None:
     """A file the daemon wrote for the job (rendered config, environment): its owner's, 0600."""
     if identity is None or not os.path.lexists(path):
         return
+    os.chmod(path, 0o600)  # first, while it is root's: changing the mode of a user's file takes CAP_FOWNER
     os.chown(path, identity.uid, identity.gid, follow_symlinks=False)
-    os.chmod(path, 0o600)
 
 
 def read_job_json(path: Path) -> Any | None:

@@ -168,7 +168,11 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
     shim (root) runs the command as that user; `require_identity`: it runs nothing without one."""
     write_launch(paths, argv=argv, cwd=cwd, env=env, rlimits=rlimits, cgroup=cgroup, owner=owner,
                  max_log_bytes=max_log_bytes, identity=identity, require_identity=require_identity)
-    with open(paths.log, "ab") as log:
+    with open(os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab") as log:
+        if identity is not None and os.geteuid() == 0:
+            # The log is its user's (they read it); this descriptor, opened while it was root's, stays
+            # writable for the shim, which writes through it (it needs no CAP_DAC_OVERRIDE).
+            os.fchown(log.fileno(), identity.uid, identity.gid)
         popen = subprocess.Popen(
             [sys.executable, "-m", "supervisor.run.shim", str(paths.launch)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -224,6 +224,19 @@ def _own(path: str, identity: dict | None) -> None:
         os.chown(path, int(identity["uid"]), int(identity["gid"]), follow_symlinks=False)
 
 
+def _open_log(path: str) -> int:
+    """The log for the command: our stdout when that is it (the daemon opened it for us: on a shared
+    box the file is the job's user's, which root without CAP_DAC_OVERRIDE cannot open for writing),
+    else opened here (a Slurm job's shim, a test)."""
+    try:
+        out, st = os.fstat(1), os.stat(path, follow_symlinks=False)
+        if (out.st_dev, out.st_ino) == (st.st_dev, st.st_ino):
+            return os.dup(1)
+    except OSError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+
+
 def _signal_name(signum: int) -> str:
     """SIGKILL, or SIGRTMIN+3 for real-time signals (no name in the enum)."""
     try:
@@ -392,7 +405,7 @@ def main(argv: list[str]) -> int:
         signal.signal(s, forward)
 
     identity = spec.get("identity")
-    log_fd = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    log_fd = _open_log(spec["log"])
     started = time.time()
     refused = _join_owner(spec)
     if refused is None and spec.get("require_identity") and identity is None:

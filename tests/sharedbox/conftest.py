@@ -31,6 +31,9 @@ REPO = Path(__file__).resolve().parents[2]
 MARK = "oom-supervisor test user"
 SUBMIT, ADMIN = "oomsv-test-submit", "oomsv-test-admin"
 USERS = {"alice": [SUBMIT], "bob": [SUBMIT], "eve": [], "oscar": [SUBMIT, ADMIN]}
+# The system unit's CapabilityBoundingSet, read from the unit itself.
+UNITS_CAPS = next(line.split("=", 1)[1].split() for line in (REPO / "systemd/oom-supervisor.service").read_text()
+                  .splitlines() if line.startswith("CapabilityBoundingSet="))
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creates users and runs a root daemon: needs root")
 
@@ -123,6 +126,13 @@ def box_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+def unit_privileges(caps: list[str]) -> list[str]:
+    """setpriv: root with only `caps` in its bounding set (so in what it may ever have), and
+    no_new_privs, like CapabilityBoundingSet= and NoNewPrivileges=yes in the unit."""
+    bounding = ",".join(["-all", *(f"+{c.lower().removeprefix('cap_')}" for c in caps)])
+    return ["setpriv", "--no-new-privs", f"--bounding-set={bounding}", "--"]
+
+
 class Box:
     """A real daemon in system mode (root, as the unit runs it) and the real CLI run as each user."""
 
@@ -143,9 +153,14 @@ class Box:
     def args(self) -> list[str]:
         return ["--state-dir", str(self.state), "--spool-dir", str(self.spool), "--config", str(self.config)]
 
-    def start(self, env: dict[str, str] | None = None) -> Box:
+    def start(self, env: dict[str, str] | None = None, prefix: list[str] | None = None) -> Box:
+        """Root with the unit's capabilities only and no_new_privs, as the system unit runs it
+        (`prefix`: another setpriv line)."""
+        if prefix is None:
+            prefix = unit_privileges(UNITS_CAPS)
         self.logf = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "daemon", "--json-logs", *self.args()],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "supervisor.cli", "daemon", "--json-logs",
+                                      *self.args()],
                                      stdout=self.logf, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, **(env or {})})
         self.wait_for(lambda: self.socket.exists(), 30, "the control socket")
