@@ -66,6 +66,11 @@ def test_bob_cannot_show_read_or_cancel_alices_job(running):
     b.wait_state(alice, "cancelled", 30)
     events = json.loads(b.cli("root", "show", str(alice), "--json").stdout)["events"]
     assert any("cancel requested by alice" in e["message"] for e in events)
+    # her live views through the socket end with the job: watch (1: not succeeded), logs -f
+    watch = b.cli("alice", "watch", str(alice), "--interval", "0.2")
+    assert watch.returncode == 1 and "alices-run" in watch.stdout
+    follow = b.cli("alice", "logs", str(alice), "-f")
+    assert follow.returncode == 0 and "hello from alice" in follow.stdout
 
 
 def test_outsiders_get_nothing(running):
