@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("daemon", help="run the supervisor in the foreground (what systemd runs)")
     _common(p)
     p.add_argument("--json-logs", action="store_true", default=None, help="JSON log lines even on a TTY")
+    p.add_argument("--mode", choices=("system", "single-user"),
+                   help="system: each job runs as the user who submitted it (needs root: the system unit); "
+                        "single-user (default): jobs run as the daemon's user (config key `mode`)")
 
     p = sub.add_parser("submit", help="validate a job file and put it in the spool")
     _common(p)
@@ -105,7 +108,7 @@ def _config(args: argparse.Namespace):
 
     try:
         return load_config(getattr(args, "config", None), state_dir=getattr(args, "state_dir", None),
-                           spool_dir=getattr(args, "spool_dir", None))
+                           spool_dir=getattr(args, "spool_dir", None), mode=getattr(args, "mode", None))
     except ConfigError as exc:
         print(f"oom-supervisor: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
@@ -122,6 +125,37 @@ def no_state_message(cfg) -> str:
     return msg
 
 
+def _remote(cfg):
+    """The control socket when this user cannot read the record (a shared box: the state is root's);
+    None when they can, and the record is read directly, as root or a single-user daemon's user."""
+    from supervisor.cli.remote import Remote, can_read_record
+
+    if can_read_record(cfg.state):
+        return None
+    if cfg.control_socket is None:
+        print(f"oom-supervisor: cannot read {cfg.state.root} and no control_socket is configured", file=sys.stderr)
+        raise SystemExit(EXIT_FAIL)
+    return Remote(cfg.control_socket)
+
+
+def _call(remote, op: str, **args):
+    """One request to the daemon; its refusal (not your job, no such job) is said and exits."""
+    from supervisor.cli.remote import RemoteError
+
+    try:
+        return remote.call(op, **args)
+    except RemoteError as exc:
+        print(f"oom-supervisor: {exc}", file=sys.stderr)
+        raise SystemExit(exc.code) from None
+
+
+def _say(reply) -> int:
+    """A record/requests.Reply (or its dict from the socket), printed where it belongs."""
+    r = reply if isinstance(reply, dict) else {"code": reply.code, "message": reply.message, "error": reply.error}
+    print(r["message"], file=sys.stderr if r["error"] else sys.stdout)
+    return r["code"]
+
+
 def _store(cfg, *, must_exist: bool = True):
     from supervisor.record.store import Store
 
@@ -135,13 +169,14 @@ def _store(cfg, *, must_exist: bool = True):
 
 def cmd_daemon(args) -> int:
     from supervisor.daemon.loop import Daemon, DaemonLocked
+    from supervisor.daemon.system import NotRoot
     from supervisor.service.logsetup import configure
 
     configure(json=True if args.json_logs else None)
     cfg = _config(args)
     try:
         return Daemon(cfg).run()
-    except DaemonLocked as exc:
+    except (DaemonLocked, NotRoot) as exc:
         print(f"oom-supervisor: {exc}", file=sys.stderr)
         return EXIT_FAIL
 
@@ -188,6 +223,8 @@ def cmd_submit(args) -> int:
     print(f"submitted {shown} (spool file {dest.name})")
     wait = args.wait
     alive = _daemon_pid(cfg)
+    if alive is None and _remote(cfg) is not None:  # a shared box: the record is root's, its socket says
+        alive = cfg.control_socket.exists() or None
     if wait is None:
         wait = 30.0 if alive else 0.0
     if wait > 0:
@@ -275,8 +312,14 @@ def _why_unwritable(exc: OSError) -> str:
 def _wait_accepted(cfg, dest: Path, wait_s: float) -> int:
     deadline = time.monotonic() + wait_s
     rejected = cfg.spool.rejected / (dest.name + ".error.txt")
+    remote = _remote(cfg)
     while time.monotonic() < deadline:
-        if cfg.state.db.exists():
+        if remote is not None:
+            found = _call(remote, "find", source=dest.name)["job"]
+            if found is not None:
+                print(f"job {found}")
+                return EXIT_OK
+        elif cfg.state.db.exists():
             store = _store(cfg)
             row = store.conn.execute("SELECT id FROM jobs WHERE source=?", (dest.name,)).fetchone()
             store.close()
@@ -295,13 +338,18 @@ def cmd_status(args) -> int:
     from supervisor.cli.timeline import job_summary
 
     cfg = _config(args)
-    if not cfg.state.db.exists():
+    remote = _remote(cfg)
+    if remote is not None:  # every job's id, owner, name and state; the rest of the caller's own
+        answer = _call(remote, "status")
+        rows, paused = answer["jobs"], answer["paused"]
+    elif not cfg.state.db.exists():
         print("[]" if args.json else f"no jobs yet: {no_state_message(cfg)}")
         return EXIT_OK
-    store = _store(cfg)
-    rows = [job_summary(store, j) for j in store.jobs()]
-    paused = store.get_meta("queue_paused")
-    store.close()
+    else:
+        store = _store(cfg)
+        rows = [job_summary(store, j) for j in store.jobs()]
+        paused = store.get_meta("queue_paused")
+        store.close()
     if args.json:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
@@ -316,15 +364,16 @@ def cmd_status(args) -> int:
     console = Console(highlight=False)
     wide = console.width >= 120
     table = Table(box=None, pad_edge=False)
-    for col in ("ID", "NAME", "STATE", "ATT", "PROGRESS", "LAST", "REMEDY"):
+    owners = any(r.get("owner") for r in rows)  # a shared box: say whose each job is (like squeue)
+    for col in ("ID", *(("OWNER",) if owners else ()), "NAME", "STATE", "ATT", "PROGRESS", "LAST", "REMEDY"):
         # Short fixed words stay whole; the rest wrap rather than being cut at 80 columns.
         table.add_column(col, no_wrap=col in ("ID", "STATE", "ATT"), overflow="fold")
     if wide:
         table.add_column("WHY", overflow="fold")
     for r in rows:
-        cells = [str(r["id"]), r["name"], r["state"], str(r["attempts"]), r["progress"] or "-",
-                 r["last_diagnosis"] or "-", r["remedy"] or "-"]
-        table.add_row(*(Text(str(c)) for c in cells), *([Text(r["reason"] or "")] if wide else []))
+        cells = [str(r["id"]), *((r.get("owner") or "-",) if owners else ()), r["name"], r["state"],
+                 str(r["attempts"]), r.get("progress") or "-", r.get("last_diagnosis") or "-", r.get("remedy") or "-"]
+        table.add_row(*(Text(str(c)) for c in cells), *([Text(r.get("reason") or "")] if wide else []))
     if paused:
         line = Text("queue paused", style="bold red")
         line.append(f": {paused} (fix it, then `oom-supervisor unpause`)")
@@ -332,7 +381,7 @@ def cmd_status(args) -> int:
     console.print(table if rows else Text("no jobs yet"))
     if not wide:  # reasons on their own lines rather than cropped into a narrow column
         for r in rows:
-            if r["reason"]:
+            if r.get("reason"):
                 console.print(Text(f"  {r['id']}: {r['reason']}"))
     return EXIT_OK
 
@@ -349,10 +398,14 @@ def cmd_show(args) -> int:
     from supervisor.cli.timeline import job_timeline
 
     cfg = _config(args)
-    store = _store(cfg)
-    _job_or_exit(store, args.job)
-    data = job_timeline(store, args.job)
-    store.close()
+    remote = _remote(cfg)
+    if remote is not None:
+        data = _call(remote, "show", job=args.job)
+    else:
+        store = _store(cfg)
+        _job_or_exit(store, args.job)
+        data = job_timeline(store, args.job)
+        store.close()
     if args.json:
         print(json.dumps(data, indent=2, default=str))
         return EXIT_OK
@@ -364,6 +417,9 @@ def cmd_show(args) -> int:
 
 def cmd_logs(args) -> int:
     cfg = _config(args)
+    remote = _remote(cfg)
+    if remote is not None:
+        return _remote_logs(remote, args)
     store = _store(cfg)
     job = _job_or_exit(store, args.job)
     last = store.last_attempt(args.job)
@@ -405,65 +461,79 @@ def _follow_next(args, store, cfg, number):
     return cmd_logs(ns)
 
 
+def _remote_logs(remote, args) -> int:
+    """`logs` through the daemon: chunks by offset; with -f, on to the next attempt until the end."""
+    import base64
+
+    number, offset = args.attempt, 0
+    out = sys.stdout.buffer
+    while True:
+        got = _call(remote, "logs", job=args.job, attempt=number, offset=offset)
+        number = got["attempt"]
+        data = base64.b64decode(got["data"])
+        if data:
+            out.write(data)
+            out.flush()
+            offset = got["offset"]
+            continue
+        if not args.follow:
+            return EXIT_OK
+        if got["latest"] != number and not args.attempt:
+            number, offset = got["latest"], 0
+            print(f"\n--- attempt {number} ---", flush=True)
+            continue
+        if got["terminal"]:
+            return EXIT_OK
+        time.sleep(0.5)
+
+
 def cmd_watch(args) -> int:
     from supervisor.cli.show import watch
 
     cfg = _config(args)
+    remote = _remote(cfg)
+    if remote is not None:
+        import base64
+
+        def fetch():
+            data = _call(remote, "show", job=args.job)
+            tail = b""
+            if data["attempt_list"]:
+                tail = base64.b64decode(_call(remote, "logs", job=args.job, tail=8192)["data"])
+            return data, tail
+        return watch(cfg, args.job, interval=args.interval, fetch=fetch)
     store = _store(cfg)
     _job_or_exit(store, args.job)
     store.close()
     return watch(cfg, args.job, interval=args.interval)
 
 
-def cmd_cancel(args) -> int:
-    from supervisor.core.states import JobState
+def _request(args, op: str) -> int:
+    """cancel / retry / unpause: the same durable intent, written here or by the daemon for us."""
+    from supervisor.record import requests
 
     cfg = _config(args)
+    remote = _remote(cfg)
+    job = {"job": args.job} if op != "unpause" else {}
+    if remote is not None:
+        return _say(_call(remote, op, **job))
     store = _store(cfg)
-    with store.tx():
-        job = _job_or_exit(store, args.job)
-        if job.state.terminal:
-            print(f"job {job.id} is already {job.state}")
-            return EXIT_OK if job.state == JobState.CANCELLED else EXIT_USAGE
-        if job.state == JobState.RUNNING:
-            store.update_job(job.id, cancel_requested=1)
-            store.event(job.id, "cancel_requested", "cancel requested by the user; the daemon stops the attempt")
-            print(f"job {job.id}: cancel requested; the daemon stops its attempt")
-            return EXIT_OK
-        store.transition(job.id, JobState.CANCELLED, "cancelled by the user")
-    print(f"job {job.id}: cancelled")
-    return EXIT_OK
+    try:
+        return _say(getattr(requests, op)(store, *job.values()))
+    finally:
+        store.close()
+
+
+def cmd_cancel(args) -> int:
+    return _request(args, "cancel")
 
 
 def cmd_retry(args) -> int:
-    from supervisor.core.states import JobState
-
-    cfg = _config(args)
-    store = _store(cfg)
-    with store.tx():
-        job = _job_or_exit(store, args.job)
-        if job.state in (JobState.RUNNING, JobState.QUEUED, JobState.SUCCEEDED):
-            print(f"oom-supervisor: job {job.id} is {job.state}; only failed, cancelled, interrupted or "
-                  "waiting jobs can be retried", file=sys.stderr)
-            return EXIT_USAGE
-        store.transition(job.id, JobState.QUEUED, "retry requested by the user", not_before=None,
-                         cancel_requested=0)
-    print(f"job {job.id}: queued again (it resumes from its last complete checkpoint)")
-    return EXIT_OK
+    return _request(args, "retry")
 
 
 def cmd_unpause(args) -> int:
-    cfg = _config(args)
-    store = _store(cfg)
-    reason = store.get_meta("queue_paused")
-    if not reason:
-        print("the queue is not paused")
-        return EXIT_OK
-    with store.tx() as c:
-        c.execute("DELETE FROM meta WHERE key='queue_paused'")
-        store.event(None, "queue_unpaused", f"unpaused by the user (was: {reason})")
-    print(f"queue unpaused (was: {reason})")
-    return EXIT_OK
+    return _request(args, "unpause")
 
 
 def cmd_explain(args) -> int:
@@ -479,9 +549,12 @@ def cmd_plan(args) -> int:
     # The state folder's observations.sqlite3 gives the learned prediction; a plan needs no daemon,
     # so a configuration that cannot be read only means planning without them.
     try:
+        from supervisor.cli.remote import can_read_record
+
         cfg = load_config(getattr(args, "config", None), state_dir=getattr(args, "state_dir", None),
                           spool_dir=getattr(args, "spool_dir", None))
-        args.state_root = cfg.state.root
+        # A shared box's observations are in the root-only state folder: plan without them there.
+        args.state_root = cfg.state.root if can_read_record(cfg.state) else None
     except ConfigError as exc:
         print(f"warning: {exc}; planning without learned observations", file=sys.stderr)
         args.state_root = None
@@ -498,6 +571,10 @@ def cmd_report(args) -> int:
         print(f"oom-supervisor: --since: {exc}", file=sys.stderr)
         return EXIT_USAGE
     cfg = _config(args)
+    if _remote(cfg) is not None:
+        print(f"oom-supervisor: report reads the whole record and every job's training log: run it as root "
+              f"(sudo oom-supervisor report ...); {cfg.state.root} is root's alone", file=sys.stderr)
+        return EXIT_FAIL
     store = _store(cfg)
     for job_id in args.jobs:
         _job_or_exit(store, job_id)

@@ -132,7 +132,7 @@ def print_timeline(data: dict[str, Any], console: Console | None = None) -> None
     data = clean(data)
     head = Text()
     head.append(f"job {data['id']}", style="bold")
-    head.append(f" {data['name']}  state: ")
+    head.append(f" {data['name']}" + (f"  owner: {data['owner']}" if data.get("owner") else "") + "  state: ")
     head.append(str(data["state"]), style="bold")
     head.append(f"  attempts: {data['attempts']}  workdir: {data['workdir']}")
     console.print(head)
@@ -168,25 +168,28 @@ def _in_a_panel(e: dict[str, Any]) -> bool:
                                                     "interrupted -> running"))
 
 
-def watch(cfg, job_id: int, *, interval: float = 1.0) -> int:
-    """Redraw the job's state, current attempt and log tail until it ends."""
+def watch(cfg, job_id: int, *, interval: float = 1.0, fetch=None) -> int:
+    """Redraw the job's state, current attempt and log tail until it ends. `fetch` () -> (timeline,
+    the log's last bytes): the control socket's, for a user who cannot read the record."""
     from supervisor.cli.timeline import job_timeline
     from supervisor.record.store import Store
+
+    def local():
+        store = Store(cfg.state.db)
+        try:
+            data = job_timeline(store, job_id)
+        finally:
+            store.close()
+        tail = b""
+        if data["attempt_list"]:
+            tail = _last_bytes(cfg.state.job(job_id).attempt(data["attempt_list"][-1]["number"]).log)
+        return data, tail
 
     console = Console(highlight=False)
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         while True:
-            store = Store(cfg.state.db)
-            try:
-                data = job_timeline(store, job_id)
-            finally:
-                store.close()
-            tail = ""
-            if data["attempt_list"]:
-                n = data["attempt_list"][-1]["number"]
-                log = cfg.state.job(job_id).attempt(n).log
-                tail = _tail(log, 6)
-            data, tail = clean(data), clean(tail)
+            data, raw = (fetch or local)()
+            data, tail = clean(data), clean(_tail_lines(raw, 6))
             head = Text(f"job {job_id} {data['name']}: {data['state']}  attempt {data['attempts']}  "
                         f"{data.get('progress') or ''}  remedy: {data.get('remedy') or 'none'}\n", style="bold")
             if data.get("reason"):
@@ -197,14 +200,18 @@ def watch(cfg, job_id: int, *, interval: float = 1.0) -> int:
             time.sleep(interval)
 
 
-def _tail(path, n: int) -> str:
+def _last_bytes(path, n: int = 8192) -> bytes:
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
             size = f.tell()
-            f.seek(max(0, size - 8192))
-            data = f.read().decode("utf-8", "replace")
+            f.seek(max(0, size - n))
+            return f.read()
     except OSError:
-        return ""
+        return b""
+
+
+def _tail_lines(raw: bytes, n: int) -> str:
+    data = raw.decode("utf-8", "replace")
     lines = [ln.rsplit("\r", 1)[-1] for ln in data.splitlines() if ln.strip()]
     return "\n".join(x[:160] for x in lines[-n:])

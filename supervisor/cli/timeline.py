@@ -14,7 +14,7 @@ def job_summary(store, job) -> dict[str, Any]:
         progress = f"step {last.max_step}" + (f"/{last.total_steps}" if last.total_steps else "")
     diag = last.json("diagnosis") if last else None
     return {
-        "id": job.id, "name": job.name, "state": str(job.state), "attempts": len(attempts),
+        "id": job.id, "name": job.name, "owner": job.owner, "state": str(job.state), "attempts": len(attempts),
         "kind": job.kind, "priority": job.priority,
         "remedy": _short_remedy(last),
         "next_remedy": (json.loads(job.next_overrides).get("rungs") if job.next_overrides else None),

@@ -33,6 +33,9 @@ class SpoolPaths:
 @dataclass(frozen=True)
 class StatePaths:
     root: Path
+    # Attempt folders outside the state folder (a shared box: their owner reads the log and the
+    # rendered config there, while the state stays the daemon's alone); None: inside each job's.
+    attempts: Path | None = None
 
     @property
     def db(self) -> Path:
@@ -52,7 +55,7 @@ class StatePaths:
         return hashlib.sha256(os.path.abspath(self.root).encode(errors="surrogateescape")).hexdigest()[:12]
 
     def job(self, job_id: int) -> JobPaths:
-        return JobPaths(self.jobs / str(job_id))
+        return JobPaths(self.jobs / str(job_id), self.attempts / str(job_id) if self.attempts else None)
 
     def ensure(self) -> None:
         self.jobs.mkdir(parents=True, exist_ok=True)
@@ -61,13 +64,14 @@ class StatePaths:
 @dataclass(frozen=True)
 class JobPaths:
     root: Path
+    attempts: Path | None = None  # the job's attempt folders, when not inside `root`
 
     @property
     def job_file(self) -> Path:
         return self.root / "job.yaml"
 
     def attempt(self, n: int) -> AttemptPaths:
-        return AttemptPaths(self.root / f"attempt-{n}")
+        return AttemptPaths((self.attempts or self.root) / f"attempt-{n}")
 
 
 @dataclass(frozen=True)
@@ -94,3 +98,12 @@ class AttemptPaths:
     @property
     def diagnosis(self) -> Path:
         return self.root / "diagnosis.json"
+
+    @property
+    def user_dir(self) -> Path:
+        """The job's own folder in the attempt (its user may write it): the start-up hook's peak file."""
+        return self.root / "user"
+
+    @property
+    def peak_file(self) -> Path:
+        return self.user_dir / "gpu_peak.json"

@@ -47,6 +47,10 @@ class MetricsSpec(BaseModel):
     address: str | None = "127.0.0.1:9839"   # null: no HTTP endpoint
     textfile: Path | None = None             # e.g. /var/lib/node-exporter/oom_supervisor.prom
     interval: float = 15.0                   # seconds between textfile rewrites
+    # Job names as a label of the per-job series. Off: the endpoint answers any local user (and the
+    # textfile is world-readable for node-exporter), and a name can say what someone trains; the job
+    # id is there to look it up with `status`.
+    job_names: bool = False
 
     @field_validator("address")
     @classmethod
@@ -153,6 +157,24 @@ class DaemonConfig(BaseModel):
     # Where attempts run: on this box (local) or each as one Slurm job (slurm:, see slurm.py).
     backend: str = "local"
     slurm: dict[str, Any] | None = None
+    # Who jobs run as. system: each job as the user who submitted it (the daemon runs as root: a
+    # shared box; the system unit says `daemon --mode system`); single-user: as the daemon's own
+    # user, whose files alone it takes (a workstation, `systemctl --user`, a daemon run by hand).
+    mode: str = "single-user"
+    # System mode: members of submit_group may submit; root and members of admin_group may see and
+    # control every job through the control socket (others: their own jobs, and `status` of all).
+    submit_group: str = "oom-supervisor-submit"
+    admin_group: str = "oom-supervisor-admin"
+    # System mode: attempt folders (log, rendered config, the job's own scratch folder), outside the
+    # state folder so their owner can read them while the state stays root's alone. Default: beside
+    # the state folder, `<state_dir>-attempts`.
+    attempts_dir: Path | None = None
+    # The query and control socket (system mode; SO_PEERCRED tells who asks). null: none.
+    control_socket: Path | None = Path("/run/oom-supervisor/control.sock")
+    # Names from the daemon's environment a job gets besides the allowlist (PATH, LANG, LC_*, TZ,
+    # proxies, CA bundles, GPU visibility): e.g. [LD_LIBRARY_PATH, CUDA_HOME]. A name ending in '*'
+    # is a prefix. Secrets of the daemon (webhook URLs) are never passed, even if listed.
+    pass_env: list[str] = Field(default_factory=list)
 
     @field_validator("max_log_bytes", mode="before")
     @classmethod
@@ -194,6 +216,27 @@ class DaemonConfig(BaseModel):
 
         return SlurmSettings.model_validate(self.slurm or {})
 
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        if v not in ("system", "single-user"):
+            raise ValueError("must be 'system' (each job runs as its submitter; the daemon is root) "
+                             "or 'single-user' (jobs run as the daemon's user)")
+        return v
+
+    @property
+    def system_mode(self) -> bool:
+        """Jobs run as their submitters (the daemon is root)."""
+        return self.mode == "system"
+
+    @property
+    def attempts_root(self) -> Path | None:
+        """Where attempt folders live: None means inside each job's folder in the state (single-user)."""
+        if not self.system_mode:
+            return self.attempts_dir
+        assert self.state_dir is not None
+        return self.attempts_dir or self.state_dir.with_name(self.state_dir.name + "-attempts")
+
     @field_validator("gpu_vendor")
     @classmethod
     def _vendor(cls, v: str) -> str:
@@ -211,7 +254,7 @@ class DaemonConfig(BaseModel):
     @property
     def state(self) -> StatePaths:
         assert self.state_dir is not None
-        return StatePaths(self.state_dir)
+        return StatePaths(self.state_dir, attempts=self.attempts_root)
 
     @property
     def spool(self) -> SpoolPaths:
@@ -244,7 +287,7 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|Tr
 
 def load_config(path: Path | None = None, *, state_dir: Path | None = None,
                 spool_dir: Path | None = None, env: dict[str, str] | None = None,
-                system_config: Path = SYSTEM_CONFIG) -> DaemonConfig:
+                system_config: Path = SYSTEM_CONFIG, mode: str | None = None) -> DaemonConfig:
     env = dict(os.environ) if env is None else env
     d_state, d_spool, d_conf = default_dirs(system_config=system_config)
     explicit = path or (Path(env[ENV_CONFIG]) if env.get(ENV_CONFIG) else None)
@@ -259,6 +302,8 @@ def load_config(path: Path | None = None, *, state_dir: Path | None = None,
             raise ConfigError(f"{conf_path}: must be a mapping")
     elif explicit:
         raise ConfigError(f"{conf_path}: no such config file")
+    if mode is not None:
+        data = {**data, "mode": mode}
     try:
         cfg = DaemonConfig.model_validate(data)
     except ValidationError as err:
@@ -278,6 +323,8 @@ def load_config(path: Path | None = None, *, state_dir: Path | None = None,
             hook.url_file = (base / hook.url_file.expanduser()).resolve()
     if cfg.metrics is not None and cfg.metrics.textfile is not None:
         cfg.metrics.textfile = (base / cfg.metrics.textfile.expanduser()).resolve()
+    if cfg.attempts_dir is not None:
+        cfg.attempts_dir = cfg.attempts_dir.expanduser().resolve()
     # Absolute: attempts run with cwd=workdir, so paths into the state folder must not be relative.
     cfg.state_dir = Path(state_dir or env.get(ENV_STATE) or cfg.state_dir or d_state).expanduser().resolve()
     cfg.spool_dir = Path(spool_dir or env.get(ENV_SPOOL) or cfg.spool_dir or d_spool).expanduser().resolve()

@@ -12,11 +12,14 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from supervisor.core.jobenv import inherited
 from supervisor.core.models import AttemptRecord, Diagnosis, ExitRecord, JobContext, Overrides
 from supervisor.daemon.config import DaemonConfig
 from supervisor.intake import jobspec as jobspec_mod
@@ -25,9 +28,8 @@ from supervisor.judge.kinds import kind_of
 from supervisor.judge.plan import JobFacts, Learned, ResumeFacts, compose_environment
 from supervisor.record.store import JobRow, Store
 from supervisor.run.fsutil import read_json
+from supervisor.run.identity import Identity, UnknownUser, acting_as, as_user_kwargs, lookup, myself
 from supervisor.service.logsetup import log
-
-ENV_DROP_PREFIXES = ("OOM_SUPERVISOR_",)
 
 
 class Facts:
@@ -37,6 +39,41 @@ class Facts:
         self.backend = backend
         self._specs: dict[int, jobspec_mod.JobSpec] = {}  # job.yaml never changes once accepted
         self._versions: dict[str, dict[str, str | None]] = {}
+        self._acting: Identity | None = None  # whose files and programs the daemon touches now (acting)
+
+    # --- whose job it is -----------------------------------------------------------------------------
+    def identity_of(self, job: JobRow) -> Identity | None:
+        """A shared box: who the job runs as, from the user database now (its submitter). Raises
+        UnknownUser with the reason when nobody can be: a job from before owners were recorded, a
+        removed account. Single-user mode: None (the daemon's own user)."""
+        if not self.cfg.system_mode:
+            return None
+        if job.owner_uid is None:
+            raise UnknownUser("the job was recorded before jobs had owners: there is nobody to run it as on a "
+                              "shared box; resubmit it")
+        who = lookup(job.owner_uid)
+        if who.uid != job.owner_uid:  # never run as someone else (root included) than the submitter
+            raise UnknownUser(f"uid {job.owner_uid} resolves to uid {who.uid}")
+        return who
+
+    def identity_quietly(self, job_id: int) -> Identity | None:
+        job = self.store.job(job_id)
+        try:
+            return self.identity_of(job) if job is not None else None
+        except UnknownUser:
+            return None
+
+    @contextmanager
+    def acting(self, identity: Identity | None) -> Iterator[None]:
+        """The daemon's work in a job's own folders (output_dir, model, datasets) and programs of the
+        job's (its interpreter), done as the job's user: a path or link they chose reaches nothing
+        they could not reach themselves (run.identity.acting_as)."""
+        before, self._acting = self._acting, identity
+        try:
+            with acting_as(identity):
+                yield
+        finally:
+            self._acting = before
 
     # --- the job ----------------------------------------------------------------------------------
     def spec_of(self, job_id: int) -> jobspec_mod.JobSpec:
@@ -74,9 +111,24 @@ class Facts:
             return read_json(spec.resolve(text))
         return None
 
-    def base_env(self) -> dict[str, str]:
-        """What every job's environment starts from: the daemon's, minus its own variables."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROP_PREFIXES)}
+    def inherited_env(self) -> dict[str, str]:
+        """The part of the daemon's environment a job gets (core/jobenv.py): PATH, locale, TZ,
+        proxies, CA bundles, GPU visibility, plus the config's pass_env; never a webhook's URL
+        variable (nor anything else of the daemon's)."""
+        secrets = {h.url_env for h in self.cfg.webhooks if h.url_env}
+        return inherited(os.environ, pass_env=self.cfg.pass_env, secrets=secrets)
+
+    def base_env(self, identity: Identity | None = None) -> dict[str, str]:
+        """What a job's environment starts from, never the daemon's: the allowlist, its user's
+        HOME/USER/LOGNAME (`identity`, or the one acted as; single-user: the daemon's own), then
+        the config's `env:` (the job's own `env:` and the remedy come after, in the plan)."""
+        who = identity or self._acting
+        env = self.inherited_env()
+        if who is not None:
+            env.update(who.login_env())
+        else:  # single-user: the daemon's own user
+            env.update({k: os.environ[k] for k in ("HOME", "USER", "LOGNAME") if os.environ.get(k)}
+                       or myself().login_env())
         env.update(self.cfg.env)
         return env
 
@@ -116,17 +168,20 @@ class Facts:
 
     # --- the job's environment and the box ------------------------------------------------------------
     def versions(self, spec: jobspec_mod.JobSpec) -> dict[str, str | None]:
-        """transformers/torch versions of the environment the job runs in (not ours)."""
-        key = self.launcher_for(spec)[0]
+        """transformers/torch versions of the environment the job runs in (not ours), probed with the
+        job's interpreter as the job's user (a shared box: never the job's code as root)."""
+        who = self._acting
+        key = f"{self.launcher_for(spec)[0]}@{who.uid if who else ''}"
         if key in self._versions:
             return self._versions[key]
         found: dict[str, str | None] = {"transformers": None, "torch": None}
         python = self.job_python(spec)
         probe = ("import importlib.metadata as m, json\nout={}\nfor n in ('transformers','torch'):\n"
                  "    try: out[n]=m.version(n)\n    except Exception: out[n]=None\nprint(json.dumps(out))")
-        if python:
+        if python and (who is not None or not self.cfg.system_mode):
             try:
-                res = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=30)
+                res = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=30, cwd="/",
+                                     **as_user_kwargs(who))
                 found.update(json.loads(res.stdout.strip().splitlines()[-1]))
             except Exception:
                 pass

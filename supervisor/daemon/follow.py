@@ -68,6 +68,7 @@ class Active:
     broken: str | None = None  # our own error while following it: stop it, then record
     limit_killed: bool = False  # stopped for going over host_memory_limit (sampled, no cgroup)
     scheduler: dict | None = None  # the scheduler's own verdict (Slurm), read once it is over
+    identity: Any = None  # a shared box: the submitter it runs as (run.identity.Identity)
 
     def __post_init__(self) -> None:
         if self.log is None:

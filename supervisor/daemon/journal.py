@@ -19,11 +19,13 @@ from supervisor.service.notify import Notifier
 
 class Journal:
     def __init__(self, store: Store, notifier: Notifier, *, clock: Callable[[], float] = time.time,
-                 job_notify: Callable[[int], list] = lambda _job_id: []) -> None:
+                 job_notify: Callable[[int], list] = lambda _job_id: [],
+                 job_identity: Callable[[int], Any] | None = None) -> None:
         self.store = store
         self.notifier = notifier
         self.clock = clock
         self.job_notify = job_notify  # the job file's own notify commands
+        self.job_identity = job_identity  # a shared box: whom they run as (None: the daemon's user)
         self._outbox: list[dict[str, Any]] = []
 
     def event(self, job_id: int, kind: str, message: str, attempt: int | None = None, **data: Any) -> None:
@@ -57,7 +59,9 @@ class Journal:
             spec_notify = []
         self._outbox.append({"event": kind, "job": job_id, "name": job.name if job else None, "message": message,
                              "attempts": len(self.store.attempts(job_id)), "ts": self.clock(),
-                             "_job_notify": spec_notify, **extra})
+                             "_job_notify": spec_notify,
+                             "_job_identity": self.job_identity(job_id) if self.job_identity else None,
+                             "_job_needs_identity": self.job_identity is not None, **extra})
 
     def flush(self) -> None:
         out, self._outbox = self._outbox, []

@@ -34,14 +34,15 @@ from typing import Any
 
 from supervisor.core.paths import StatePaths
 from supervisor.core.states import JobState
+from supervisor.daemon import system
 from supervisor.daemon.config import DaemonConfig
-from supervisor.daemon.facts import ENV_DROP_PREFIXES
 from supervisor.daemon.follow import STUCK_AFTER_S, Active, describe
 from supervisor.daemon.runner import Runner
 from supervisor.intake.spool import CheckContext, intake, output_dir_of_job
 from supervisor.record.store import JobRow, Store
 from supervisor.run.diskfull import describe_full, free_bytes, is_disk_full
 from supervisor.service.logsetup import log
+from supervisor.service import control
 from supervisor.service.metrics import Metrics, RunningJob
 from supervisor.service.notify import Notifier
 from supervisor.service.sdnotify import ServiceNotifier, status_from_store
@@ -96,6 +97,7 @@ class Daemon:
         self.state: StatePaths = self.cfg.state
         self.state.ensure()
         self.cfg.spool.ensure()
+        self.gate = system.prepare(self.cfg, log=log)  # system mode: who may submit; private folders
         self.lock = StateLock(self.state.lock)
         self.store: Store | None = None
         self.notifier = Notifier(self.cfg.notify, log=log, webhooks=self.cfg.webhooks)
@@ -117,6 +119,7 @@ class Daemon:
         self.store.event(None, "daemon", f"daemon started (pid {os.getpid()}); attempt ownership: {ownership}")
         if self.metrics is not None:
             self.metrics.start()
+        self.control = control.serve(self.cfg, log=log)  # a shared box: users' queries and requests
         try:
             self.recover()
             self.service.ready(self._status_line())
@@ -128,6 +131,8 @@ class Daemon:
             self.shutdown()
             if self.metrics is not None:
                 self.metrics.close()
+            if self.control is not None:
+                self.control.stop()
             self.runner.backend.close()
             for s, h in old.items():
                 signal.signal(s, h)
@@ -287,14 +292,14 @@ class Daemon:
 
     # --- steps ----------------------------------------------------------------------
     def step_intake(self) -> None:
-        # The pre-launch checks see what attempts will: this environment (less our own variables,
-        # as attempts get it), the config's env, and whether attempts run on this box.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_DROP_PREFIXES)}
+        # The pre-launch checks see what attempts will: the part of this environment attempts get
+        # (an allowlist), the config's env, and whether attempts run on this box.
+        env = self.runner.facts.inherited_env()
         context = CheckContext(base_env=env, daemon_env=dict(self.cfg.env),
                                launch_here=self.cfg.backend != "slurm", where="intake")
         intake(self.cfg.spool, self.state, self.store, settle_s=self.cfg.settle_time,
                max_bytes=self.cfg.max_job_file_bytes, now=self.clock(), log=log,
-               policy_dirs=self.cfg.policy_search_dirs(), context=context)
+               policy_dirs=self.cfg.policy_search_dirs(), context=context, gate=self.gate)
 
     def step_control(self) -> None:
         """Act on requests the CLI left in the record (cancel of a running job)."""

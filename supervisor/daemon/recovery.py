@@ -59,7 +59,7 @@ class Recovery:
                       handle=handle, scanner=LogScanner(initial_step=attempt.resumed_from_step), spec=spec,
                       gpus=assigned, output_dir=output_dir,
                       hang_timeout=(spec.sup.hang_timeout if spec is not None else None) or self.hang_timeout,
-                      last_step=attempt.resumed_from_step)
+                      last_step=attempt.resumed_from_step, identity=self.facts.identity_quietly(job.id))
 
     def _take_back(self, job: JobRow, attempt, adopt: bool) -> Active:
         spec, spec_error = None, None

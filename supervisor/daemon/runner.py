@@ -28,11 +28,13 @@ from supervisor.judge.diagnosis import LogScanner
 from supervisor.judge.plan import AttemptPlan, Refuse, plan_attempt
 from supervisor.judge.policy.render import EFFECTIVE_YAML
 from supervisor.record.store import JobRow, Store
+from supervisor.run import attemptdir
 from supervisor.run.backends import make_backend
 from supervisor.run.backends.base import Reservation
 from supervisor.run.checkpoints import apply_fixups, quarantine, reclaim
 from supervisor.run.diskfull import is_disk_full
 from supervisor.run.fsutil import atomic_write_json, atomic_write_text
+from supervisor.run.identity import Identity, UnknownUser
 from supervisor.run.ownership import MARKER_ENV
 from supervisor.service.logsetup import log
 from supervisor.service.notify import Notifier
@@ -49,7 +51,8 @@ class Runner:
         self.clock = clock
         self.backend = backend or make_backend(cfg)
         self.facts = Facts(cfg, store, self.backend)
-        self.journal = Journal(store, notifier, clock=clock, job_notify=lambda j: self.facts.spec_of(j).sup.notify)
+        self.journal = Journal(store, notifier, clock=clock, job_notify=lambda j: self.facts.spec_of(j).sup.notify,
+                               job_identity=self.facts.identity_quietly if cfg.system_mode else None)
         self.follower = Follower(self.journal, stop_grace=cfg.stop_grace, fatal_grace=cfg.fatal_grace, clock=clock)
         self.verdicts = Verdicts(self.journal, self.facts, self.backend, clock=clock)
         self.recovery = Recovery(self.journal, self.facts, self.backend, self.follower, stop_grace=cfg.stop_grace,
@@ -104,6 +107,11 @@ class Runner:
         job = self.store.job(job.id) or job
         if job.cancel_requested or job.state not in RUNNABLE:
             return self._settle_cancel(job)
+        try:
+            ident = self.facts.identity_of(job)
+        except UnknownUser as exc:
+            self.journal.refuse(job.id, f"cannot run it as its submitter ({job.owner or 'unknown'}): {exc}")
+            return None
         last = self.store.last_attempt(job.id)
         number = (last.number if last else 0) + 1
         paths = self.cfg.state.job(job.id).attempt(number)
@@ -111,30 +119,35 @@ class Runner:
             # No attempt row names it, so it was prepared and never launched (the row is committed
             # before the launch): nothing of it ran, and it is rendered again from the record.
             shutil.rmtree(paths.root)
-        paths.root.mkdir(parents=True, mode=0o700)
-        plan = plan_attempt(self.facts.for_attempt(job, number, paths.root, gpus))
+        attemptdir.make(paths, ident)  # a shared box: in attempts_dir, the log and scratch folder its user's
+        with self.facts.acting(ident):  # the output folder, the model, the job's interpreter: as its user
+            plan = plan_attempt(self.facts.for_attempt(job, number, paths.root, gpus))
         if isinstance(plan, Refuse):
             self.journal.refuse(job.id, plan.reason)
             return None
-        refused = self.prepare(job.id, plan, paths.root)
+        refused = self.prepare(job.id, plan, paths.root, ident)
         if refused:
             self.journal.refuse(job.id, refused)
             return None
-        return self.launch(job, plan, gpus)
+        return self.launch(job, plan, gpus, ident)
 
-    def prepare(self, job_id: int, plan: AttemptPlan, attempt_dir: Path) -> str | None:
-        """Carry out what the plan needs on disk; the reason to refuse the job if it cannot be."""
+    def prepare(self, job_id: int, plan: AttemptPlan, attempt_dir: Path, ident: Identity | None = None) -> str | None:
+        """Carry out what the plan needs on disk; the reason to refuse the job if it cannot be. On
+        a shared box the output folder is changed as the job's user, and the files are theirs."""
         try:
-            self.prepare_resume(job_id, plan)
+            with self.facts.acting(ident):
+                self.prepare_resume(job_id, plan)
         except Exception as exc:
             if is_disk_full(exc):
                 raise
             return f"cannot plan the resume: {exc}"
         for name, content in plan.rendered.files.items():
             atomic_write_text(attempt_dir / name, content, mode=0o600)
+            attemptdir.give(attempt_dir / name, ident)  # the job reads them as its user
         if EFFECTIVE_YAML in plan.rendered.files:  # checked as it will really be launched
-            problems = validate_config(yaml.safe_load((attempt_dir / EFFECTIVE_YAML).read_text()),
-                                       workdir=plan.spec.workdir)
+            with self.facts.acting(ident):
+                problems = validate_config(yaml.safe_load((attempt_dir / EFFECTIVE_YAML).read_text()),
+                                           workdir=plan.spec.workdir)
             if problems:
                 return "the rendered configuration is invalid: " + "; ".join(map(str, problems))
         return None
@@ -149,7 +162,7 @@ class Runner:
                                f"{inc.path.name} is incomplete ({inc.reason}); moved aside to {moved}",
                                attempt=n, path=str(moved))
         if resume.checkpoint is not None or resume.mode != "fresh":
-            for done in apply_fixups(resume, python=self.facts.job_python(plan.spec)):
+            for done in apply_fixups(resume, python=self.facts.job_python(plan.spec), run_as=self.facts._acting):
                 self.journal.event(job_id, "resume_fixup", done, attempt=n)
         for ev in plan.before_launch:
             self.journal.event(job_id, ev.kind, ev.message, attempt=n, **ev.data)
@@ -159,21 +172,25 @@ class Runner:
                 self.journal.event(job_id, "checkpoint_reclaimed", removed.describe(), attempt=n,
                                    path=str(removed.aside.path), bytes=removed.aside.size_bytes)
 
-    def launch(self, job: JobRow, plan: AttemptPlan, gpus: list[int] | None) -> Active | None:
+    def launch(self, job: JobRow, plan: AttemptPlan, gpus: list[int] | None,
+               ident: Identity | None = None) -> Active | None:
         """Record the start in one transaction (unless a cancel came first), then launch."""
         n, spec = plan.number, plan.spec
         paths = self.cfg.state.job(job.id).attempt(n)
         tag = self.backend.attempt_tag(job.id, n)
-        env = {**plan.env, MARKER_ENV: tag, PEAK_FILE_ENV: str(paths.root / "gpu_peak.json")}
+        # The hook's in-process peaks go to the attempt's folder of the job's own (never the state's).
+        env = {**plan.env, MARKER_ENV: tag, PEAK_FILE_ENV: str(paths.peak_file)}
         atomic_write_json(paths.environment, {"argv": plan.rendered.argv, "cwd": str(spec.workdir), "env": env,
                                               "set_by_attempt": plan.rendered.env}, mode=0o600)
+        attemptdir.give(paths.environment, ident)
         res = self.backend.reserve(tag, paths, spec.sup.host_memory_limit)
         if not self._commit_start(job, plan, res, gpus):
             return None
         act = Active(job_id=job.id, number=n, paths=paths, handle=None,
                      scanner=LogScanner(initial_step=plan.resumed_step), spec=spec, gpus=gpus,
                      output_dir=plan.output_dir, hang_timeout=plan.hang_timeout, last_step=plan.resumed_step,
-                     progress_offset=_size(plan.output_dir / "trainer_log.jsonl") if plan.output_dir else None)
+                     progress_offset=_size(plan.output_dir / "trainer_log.jsonl") if plan.output_dir else None,
+                     identity=ident)
         if self.store.job(job.id).cancel_requested:
             # The cancel landed right after the start was committed: run nothing, settle it now.
             self.store.update_attempt(job.id, n, ended_at=self.clock(), decision=json.dumps({"kind": "cancelled"}))
@@ -181,7 +198,8 @@ class Runner:
             self.backend.release(res)
             return None
         try:
-            launched = self.backend.launch(res, paths, argv=plan.rendered.argv, cwd=spec.workdir, env=env, spec=spec)
+            launched = self.backend.launch(res, paths, argv=plan.rendered.argv, cwd=spec.workdir, env=env, spec=spec,
+                                           identity=ident)
         except Exception as exc:
             # The attempt is recorded as started: follow it through the usual path (its owner is
             # checked empty there) so that its end is recorded even on a full disk.

@@ -176,7 +176,9 @@ class Verdicts:
             history = [a for a in self.facts.history(job_id) if this is None or a.number != this.number]
             if this is not None:
                 history.append(this)
-            return decide(self.facts.context(job, spec), history, diagnosis, policy)
+            with self.facts.acting(self.facts.identity_of(job)):  # the model's config, the job's interpreter
+                context = self.facts.context(job, spec)
+            return decide(context, history, diagnosis, policy)
         except Exception as exc:
             log.exception("decide_failed", job=job_id)
             return Decision(DecisionKind.FAIL, f"the policy could not decide: {exc!r}")
@@ -215,6 +217,14 @@ class Verdicts:
         out: dict[str, Any] = {"max_step": act.last_step}
         if act.output_dir is None:
             return out
+        try:
+            with self.facts.acting(act.identity):  # the job's output folder, as its user sees it
+                return self._read_progress(act, out)
+        except Exception:
+            log.exception("progress_read_failed", job=act.job_id)
+        return out
+
+    def _read_progress(self, act: Active, out: dict[str, Any]) -> dict[str, Any]:
         try:
             from supervisor.run.checkpoints import scan_output_dir
             from supervisor.run.progress import read_progress
@@ -263,10 +273,12 @@ class Verdicts:
 
         try:
             job = self.store.job(act.job_id)
-            record_finished(self.facts.cfg.state.root, self.facts.context(job, act.spec), this.overrides,
+            with self.facts.acting(act.identity):
+                context = self.facts.context(job, act.spec)
+            record_finished(self.facts.cfg.state.root, context, this.overrides,
                             diagnosis, succeeded=diagnosis.category == Category.SUCCESS,
                             max_step=progress.get("max_step"), resumed_from_step=this.resumed_from_step,
-                            peak_file=act.paths.root / "gpu_peak.json", host=host, job=job.name if job else "",
+                            peak_file=act.paths.peak_file, host=host, job=job.name if job else "",
                             attempt=act.number, time=self.clock())
         except Exception:
             log.exception("observation_not_recorded", job=act.job_id)

@@ -15,6 +15,14 @@ crash can neither lose nor duplicate a job. Any error in one file rejects that
 file: it goes to `rejected/` under a safe, bounded name with `<name>.error.txt`
 saying what is wrong; intake never raises for a file. Each call works within a
 budget of files and seconds and goes on at the next call.
+
+Who submitted: the owner of the file, read with fstat on the file as opened (O_NOFOLLOW), and
+recorded with the job. A single-user daemon takes only its own user's (and root's) files. On a
+shared box (system mode, the daemon is root) only root and the members of the submit group may
+submit, a file with other hard links is refused, its checks read the job's paths as its submitter,
+and the folders are private: `incoming/` is 1730 root:<submit group> (members create files, nobody
+lists or reads another's; `submit` writes them 0600), `rejected/` is 0711 (a refusal and its
+reason are the submitter's, 0600, opened by name) and `claimed/` is root's alone.
 """
 
 from __future__ import annotations
@@ -42,9 +50,11 @@ from supervisor.intake import preflight
 from supervisor.intake.jobspec import JobFileError, JobSpec, Partial, load_yaml_with_lines, parse_job_text
 from supervisor.record.store import Store
 from supervisor.run.fsutil import atomic_write_text, fsync_dir
+from supervisor.run.identity import SubmitGate, UnknownUser, acting_as, lookup, user_name
 
 TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".swp", "~")
-SPOOL_FILE_MODE = 0o640  # the daemon's user reads submitted files through the spool's group
+SPOOL_FILE_MODE = 0o600  # a job file may hold tokens: its submitter's alone (the daemon is root)
+INCOMING_MODE, REJECTED_MODE, PRIVATE_MODE = 0o1730, 0o711, 0o700
 MAX_FILES_PER_CALL = 100
 MAX_SECONDS_PER_CALL = 1.0
 KEEP_REJECTED = 1000
@@ -65,6 +75,7 @@ class IntakeResult:
 # Files with an mtime in the future, as seen by the previous call: (incoming, name) -> (ino, size, mtime_ns).
 _future_seen: dict[tuple[str, str], tuple[int, int, int]] = {}
 _last_prune: dict[str, float] = {}
+_prepared: set[tuple[str, int | None]] = set()
 
 
 def _is_temp_name(name: str) -> bool:
@@ -109,15 +120,20 @@ def intake(spool: SpoolPaths, state: StatePaths, store: Store, *, settle_s: floa
            max_bytes: int, now: float | None = None, log=None,
            max_files: int = MAX_FILES_PER_CALL, max_seconds: float = MAX_SECONDS_PER_CALL,
            policy_dirs: Sequence[Path] | None = None, keep_rejected: int = KEEP_REJECTED,
-           rejected_max_age_s: float = REJECTED_MAX_AGE_S, context: CheckContext | None = None) -> IntakeResult:
+           rejected_max_age_s: float = REJECTED_MAX_AGE_S, context: CheckContext | None = None,
+           gate: SubmitGate | None = None) -> IntakeResult:
     """Accept or reject settled files in incoming/ (oldest first), at most `max_files`
     of them or `max_seconds` per call; the rest wait for the next call. Files this
     daemon claimed before a crash are finished first. With `policy_dirs`, a job naming
     a policy not found there is refused. `context` says what the daemon's attempts will see
-    (its environment, where they run) for the pre-launch checks; by default this process's."""
+    (its environment, where they run) for the pre-launch checks; by default this process's.
+    With `gate`, only the files of those it lets submit are jobs (on a shared box the spool's
+    folders also get their private modes)."""
     context = context or CheckContext(where="intake")
     spool.ensure()
     state.ensure()
+    if gate is not None and gate.shared:
+        prepare_spool(spool, gate, log=log)
     now = time.time() if now is None else now
     deadline = time.monotonic() + max_seconds
     result = IntakeResult()
@@ -133,7 +149,7 @@ def intake(spool: SpoolPaths, state: StatePaths, store: Store, *, settle_s: floa
             continue
         budget -= 1
         if not _process(spool, state, store, claimed / cname, cname, _original_of_claimed(cname),
-                        max_bytes, policy_dirs, result, log, context):
+                        max_bytes, policy_dirs, result, log, context, gate):
             return result  # the state folder cannot take a job now; try again next call
 
     # 2. Settled files in incoming/, oldest first.
@@ -155,7 +171,7 @@ def intake(spool: SpoolPaths, state: StatePaths, store: Store, *, settle_s: floa
             continue
         budget -= 1
         if not _process(spool, state, store, claimed / cname, cname, name, max_bytes, policy_dirs,
-                        result, log, context):
+                        result, log, context, gate):
             return result
     _forget_future(spool, result.waiting)
     if result.rejected or now - _last_prune.get(str(spool.root), 0.0) > 300:
@@ -167,6 +183,27 @@ def intake(spool: SpoolPaths, state: StatePaths, store: Store, *, settle_s: floa
             if log:
                 log.warning("spool_prune_failed", error=str(exc))
     return result
+
+
+def prepare_spool(spool: SpoolPaths, gate: SubmitGate, *, log=None) -> None:
+    """The shared box's modes (once per spool and group; cheap to repeat after a change): the spool
+    traversable, `incoming/` 1730 root:<submit group>, `rejected/` 0711, `claimed/` 0700."""
+    gid = gate.gid
+    key = (str(spool.root), gid)
+    if key in _prepared:
+        return
+    spool.claimed("x").parent.mkdir(parents=True, exist_ok=True)
+    for path, mode, group in ((spool.root, 0o755, 0), (spool.incoming, INCOMING_MODE, gid if gid is not None else 0),
+                              (spool.rejected, REJECTED_MODE, 0), (spool.claimed("x").parent, PRIVATE_MODE, 0)):
+        st = os.lstat(path)
+        if (st.st_uid, st.st_gid) != (0, group):
+            os.chown(path, 0, group, follow_symlinks=False)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(path, mode)
+    if gid is None and log:
+        log.warning("submit_group_missing", group=gate.group,
+                    note="only root can submit until the group exists (systemd-sysusers makes it)")
+    _prepared.add(key)
 
 
 def _list(folder: Path, *, limit: int) -> list[str]:
@@ -219,13 +256,22 @@ def _forget_future(spool: SpoolPaths, waiting: list[str]) -> None:
         del _future_seen[k]
 
 
-def _read_bounded(path: Path, max_bytes: int) -> tuple[os.stat_result, bytes]:
-    """Read a regular file without following a link or blocking on a FIFO swapped in."""
+def _read_bounded(path: Path, max_bytes: int, gate: SubmitGate | None = None) -> tuple[os.stat_result, bytes]:
+    """Read a regular file without following a link or blocking on a FIFO swapped in. With `gate`,
+    the file as opened must belong to someone who may submit and (a shared box) have no other hard
+    link (a link to another user's file would make that user its submitter)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise JobFileError([Problem("(file)", "is not a regular file")])
+        if gate is not None:
+            refused = gate.refusal(st.st_uid)
+            if refused:
+                raise JobFileError([Problem("(file)", f"was not submitted by someone who may: {refused}")])
+            if gate.shared and st.st_nlink != 1:
+                raise JobFileError([Problem("(file)", f"has {st.st_nlink} hard links; a job file must be a "
+                                            "file of its own (copy it, or use `oom-supervisor submit`)")])
         chunks, total = [], 0
         while total <= max_bytes:
             chunk = os.read(fd, min(1 << 16, max_bytes + 1 - total))
@@ -243,24 +289,29 @@ def _read_bounded(path: Path, max_bytes: int) -> tuple[os.stat_result, bytes]:
 
 def _process(spool: SpoolPaths, state: StatePaths, store: Store, path: Path, cname: str, name: str,
              max_bytes: int, policy_dirs: Sequence[Path] | None, result: IntakeResult, log,
-             context: CheckContext) -> bool:
+             context: CheckContext, gate: SubmitGate | None = None) -> bool:
     """Accept or reject one claimed file. False when the state folder refused the job
     (disk full, database locked): the file stays claimed for the next call."""
     shown = display_name(name)
+    try:  # for the reason's owner only; who submitted is read from the opened file (_read_bounded)
+        owner = path.lstat().st_uid
+    except OSError:
+        owner = None
     try:
-        spec, text, key = _check(path, cname, shown, max_bytes, policy_dirs, store, spool.root, state, context)
+        spec, text, key, owner = _check(path, cname, shown, max_bytes, policy_dirs, store, spool.root, state,
+                                        context, gate)
     except JobFileError as err:
-        _reject(spool, path, name, err.problems, result, log)
+        _reject(spool, path, name, err.problems, result, log, owner=owner)
         return True
     except Exception as exc:  # anything at all: that file is refused, intake goes on
         _reject(spool, path, name, [Problem("(file)", f"could not be read: {type(exc).__name__}: "
-                                    f"{str(exc)[:200]}")], result, log)
+                                    f"{str(exc)[:200]}")], result, log, owner=owner)
         return True
     if spec is None:  # accepted before a crash; only the leftover remains
         _unlink(path)
         return True
     try:
-        job_id = accept(state, store, spec, text=text, source=shown, key=key)
+        job_id = accept(state, store, spec, text=text, source=shown, key=key, owner_uid=owner)
     except (OSError, sqlite3.OperationalError) as exc:
         if log:
             log.error("spool_accept_failed", file=shown, state_dir=str(state.root), error=str(exc),
@@ -268,17 +319,18 @@ def _process(spool: SpoolPaths, state: StatePaths, store: Store, path: Path, cna
         return False
     except Exception as exc:
         _reject(spool, path, name, [Problem("(file)", f"could not be recorded: {type(exc).__name__}: "
-                                    f"{str(exc)[:200]}")], result, log)
+                                    f"{str(exc)[:200]}")], result, log, owner=owner)
         return True
     _unlink(path)
     result.accepted.append(job_id)
     if log:
-        log.info("job_accepted", job=job_id, name=spec.name, file=shown, kind=spec.kind)
+        log.info("job_accepted", job=job_id, name=spec.name, file=shown, kind=spec.kind, owner=user_name(owner))
     return True
 
 
 def _check(path: Path, cname: str, shown: str, max_bytes: int, policy_dirs: Sequence[Path] | None,
-           store: Store, spool_root: Path, state: StatePaths, context: CheckContext) -> tuple[JobSpec | None, str, str]:
+           store: Store, spool_root: Path, state: StatePaths, context: CheckContext,
+           gate: SubmitGate | None = None) -> tuple[JobSpec | None, str, str, int]:
     st = path.lstat()
     if stat.S_ISLNK(st.st_mode):
         raise JobFileError([Problem("(file)", "is a symbolic link; symlinks are refused "
@@ -288,10 +340,10 @@ def _check(path: Path, cname: str, shown: str, max_bytes: int, policy_dirs: Sequ
     if st.st_size > max_bytes:
         raise JobFileError([Problem("(file)", f"is {st.st_size} bytes; job files are limited to "
                                     f"{max_bytes} bytes")])
-    st, data = _read_bounded(path, max_bytes)
+    st, data = _read_bounded(path, max_bytes, gate)
     key = spool_key(cname, st, data)
     if store.job_by_spool_key(key) is not None:
-        return None, "", key
+        return None, "", key, st.st_uid
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -299,9 +351,18 @@ def _check(path: Path, cname: str, shown: str, max_bytes: int, policy_dirs: Sequ
     if "\0" in text:
         raise JobFileError([Problem("(file)", "contains a NUL byte; job files are YAML text")])
     jobs = jobs_of(store.conn, state)
-    checked = check_job(text, source=shown, submit_dir=spool_root, policy_dirs=policy_dirs,
-                        context=context, jobs=jobs)
-    return checked.spec, text, key
+    with acting_as(_submitter(st.st_uid) if gate is not None and gate.shared else None):
+        # A shared box: the job's paths (datasets, models) are looked at as its submitter sees them.
+        checked = check_job(text, source=shown, submit_dir=spool_root, policy_dirs=policy_dirs,
+                            context=context, jobs=jobs)
+    return checked.spec, text, key, st.st_uid
+
+
+def _submitter(uid: int):
+    try:
+        return lookup(uid)
+    except UnknownUser:
+        return None
 
 
 def _kind(mode: int) -> str:
@@ -321,12 +382,13 @@ def _unlink(path: Path) -> None:
 
 
 def accept(state: StatePaths, store: Store, spec: JobSpec, *, text: str, source: str,
-           key: str | None) -> int:
-    """Record the job and write its job.yaml (0600: `env` may hold tokens) in one transaction."""
+           key: str | None, owner_uid: int | None = None) -> int:
+    """Record the job with its submitter and write its job.yaml (0600: `env` may hold tokens) in
+    one transaction."""
     with store.tx():
         job_id = store.add_job(name=spec.name, kind=spec.kind, priority=spec.sup.priority,
                                policy=spec.sup.policy, workdir=str(spec.workdir), source=source,
-                               spool_key=key)
+                               spool_key=key, owner_uid=owner_uid, owner=user_name(owner_uid))
         jp = state.job(job_id)
         if jp.root.exists():  # left by a crash before a commit that never happened
             jp.root.rename(jp.root.with_name(f".orphan-{job_id}-{time.time_ns()}"))
@@ -336,7 +398,7 @@ def accept(state: StatePaths, store: Store, spec: JobSpec, *, text: str, source:
 
 
 def _reject(spool: SpoolPaths, path: Path, name: str, problems: list[Problem], result: IntakeResult,
-            log=None) -> None:
+            log=None, *, owner: int | None = None) -> None:
     """Move the file to rejected/ under a safe name, then say why beside it (original
     name escaped inside). The move comes first: it needs no space, so even on a full
     spool disk a bad file stops being retried."""
@@ -356,7 +418,10 @@ def _reject(spool: SpoolPaths, path: Path, name: str, problems: list[Problem], r
         return
     try:
         # Not fsynced: a report lost to a power cut costs nothing (the file is in rejected/).
-        atomic_write_text(dest.with_name(dest.name + ".error.txt"), report, mode=SPOOL_FILE_MODE, durable=False)
+        reason = dest.with_name(dest.name + ".error.txt")
+        atomic_write_text(reason, report, mode=SPOOL_FILE_MODE, durable=False)
+        if owner is not None and os.geteuid() == 0 and owner != 0:
+            os.chown(reason, owner, -1, follow_symlinks=False)  # the submitter's alone (0600)
     except OSError as exc:
         if log:
             log.error("spool_reason_not_written", file=shown, folder=str(spool.rejected), error=str(exc))
@@ -445,7 +510,8 @@ def submit(spool: SpoolPaths, text: str, *, name: str, cwd: Path,
            policy_dirs: Sequence[Path] | None = None, context: CheckContext | None = None,
            state: StatePaths | None = None, checked_out: list | None = None) -> Path:
     """Validate (the same checks as intake: `check_job`), then place the job in incoming/
-    atomically, mode 0640 (the daemon's user reads it through the spool's group). Raises
+    atomically, mode 0600: the caller owns it, which makes them its submitter, and nobody else can
+    read it. Raises
     JobFileError; OSError when the spool cannot be written. The Checked (warnings, notes)
     is appended to `checked_out` when given."""
     shown = display_name(Path(name).name)

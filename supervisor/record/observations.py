@@ -60,10 +60,15 @@ CREATE INDEX IF NOT EXISTS observations_kind ON observations (finetuning_type, g
 
 
 def read_peak_file(path: str | Path) -> GpuPeak | None:
-    """The hook's peak GPU file (absent, unreadable or empty: None, as on a CPU run)."""
+    """The hook's peak GPU file (absent, unreadable or empty: None, as on a CPU run). The job wrote
+    it, in a folder its user may change: a regular file only, no link followed (on a shared box
+    a link could make the daemon read another user's file into this job's record)."""
+    from supervisor.run.attemptdir import read_job_json
+
+    data = read_job_json(Path(path))
     try:
-        return parse_peak_file(json.loads(Path(path).read_text()))
-    except (OSError, ValueError):
+        return parse_peak_file(data) if data is not None else None
+    except (ValueError, TypeError, AttributeError):
         return None
 
 

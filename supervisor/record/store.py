@@ -86,6 +86,13 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE attempts ADD COLUMN backend_ref TEXT;
     """,
+    # 4: who submitted the job (the owner of the spool file as `submit` created it): on a shared
+    # box its attempts run as that user, and only they (or an admin) may see or control it. NULL:
+    # a job recorded before this, which ran as the daemon's own user.
+    """
+    ALTER TABLE jobs ADD COLUMN owner_uid INTEGER;
+    ALTER TABLE jobs ADD COLUMN owner TEXT;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -108,6 +115,8 @@ class JobRow:
     cancel_requested: int
     next_overrides: str | None
     reason: str | None
+    owner_uid: int | None = None  # the submitter (None: recorded before owners were)
+    owner: str | None = None      # their user name when it was submitted
 
     @classmethod
     def from_row(cls, r: sqlite3.Row) -> JobRow:
@@ -258,16 +267,18 @@ class Store:
 
     # --- jobs -----------------------------------------------------------------
     def add_job(self, *, name: str, kind: str, priority: int, policy: str | None, workdir: str,
-                source: str | None, spool_key: str | None) -> int:
+                source: str | None, spool_key: str | None, owner_uid: int | None = None,
+                owner: str | None = None) -> int:
         now = self.clock()
         with self.tx() as c:
             cur = c.execute(
                 "INSERT INTO jobs(name, kind, state, priority, policy, workdir, source, spool_key,"
-                " submitted_at, updated_at) VALUES(?,?,?,?,?,?,?,?,?,?)",
-                (name, kind, JobState.QUEUED, priority, policy, workdir, source, spool_key, now, now))
+                " submitted_at, updated_at, owner_uid, owner) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)",
+                (name, kind, JobState.QUEUED, priority, policy, workdir, source, spool_key, now, now,
+                 owner_uid, owner))
             job_id = int(cur.lastrowid)
-            self.event(job_id, "state", f"queued: accepted from {source or 'submit'}",
-                       data={"to": "queued"})
+            self.event(job_id, "state", f"queued: accepted from {source or 'submit'}"
+                       + (f", submitted by {owner}" if owner else ""), data={"to": "queued"})
         return job_id
 
     def job(self, job_id: int) -> JobRow | None:

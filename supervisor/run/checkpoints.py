@@ -317,10 +317,11 @@ def _move_aside(path: Path, folder: str, label: str, now: float | None) -> Path:
     return dest
 
 
-def apply_fixups(plan: ResumePlan, *, python: str | None = None) -> list[str]:
+def apply_fixups(plan: ResumePlan, *, python: str | None = None, run_as=None) -> list[str]:
     """Do the plan's file operations; return what was done, in words.
 
-    `python` runs the DeepSpeed converter (the job's interpreter; defaults to this one).
+    `python` runs the DeepSpeed converter (the job's interpreter; defaults to this one), as
+    `run_as` (an Identity: on a shared box the job's user, whose interpreter and files it is).
     Raises on failure: launching after a half-applied fixup would resume the wrong state.
     """
     done: list[str] = []
@@ -330,7 +331,7 @@ def apply_fixups(plan: ResumePlan, *, python: str | None = None) -> list[str]:
         elif fx.kind == "archive_checkpoints":
             done.extend(_archive_checkpoints(fx))
         elif fx.kind == "ds_to_universal":
-            done.append(_ds_to_universal(fx, python or sys.executable))
+            done.append(_ds_to_universal(fx, python or sys.executable, run_as))
         else:
             raise ValueError(f"unknown fixup kind {fx.kind!r}")
     return done
@@ -374,7 +375,9 @@ def _patch_train_batch_size(fx: Fixup) -> str:
     return f"set train_batch_size {old} -> {fx.value} in {state_path} (original in {fx.backup.name})"
 
 
-def _ds_to_universal(fx: Fixup, python: str) -> str:
+def _ds_to_universal(fx: Fixup, python: str, run_as=None) -> str:
+    from supervisor.run.identity import as_user_kwargs
+
     assert fx.target is not None
     if not fx.target.is_dir():
         tmp = fx.target.with_name(fx.target.name + ".partial")
@@ -382,7 +385,7 @@ def _ds_to_universal(fx: Fixup, python: str) -> str:
         subprocess.run(
             [python, "-m", "deepspeed.checkpoint.ds_to_universal",
              "--input_folder", str(fx.path / fx.value), "--output_folder", str(tmp)],
-            check=True, capture_output=True, text=True,
+            check=True, capture_output=True, text=True, **as_user_kwargs(run_as),
         )
         os.rename(tmp, fx.target)
     _atomic_write(fx.path / "latest_universal", fx.target.name)

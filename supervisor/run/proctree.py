@@ -29,7 +29,9 @@ import psutil
 
 from supervisor import SOURCE_ROOT
 from supervisor.core.paths import AttemptPaths
+from supervisor.core.jobenv import inherited
 from supervisor.run.fsutil import atomic_write_json
+from supervisor.run.identity import Identity
 from supervisor.run.limits import JobCgroup
 from supervisor.run.ownership import Owner
 from supervisor.run.shim import INIT_COMM, LINGER_COMM
@@ -160,16 +162,24 @@ class Handle:
 
 def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
            rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
-           owner: Owner | None = None, max_log_bytes: int | None = None) -> Handle:
-    """Write launch.json and start the shim in a new session (no shell)."""
+           owner: Owner | None = None, max_log_bytes: int | None = None,
+           identity: Identity | None = None, require_identity: bool = False) -> Handle:
+    """Write launch.json and start the shim in a new session (no shell). With `identity` the
+    shim (root) runs the command as that user; `require_identity`: it runs nothing without one."""
     write_launch(paths, argv=argv, cwd=cwd, env=env, rlimits=rlimits, cgroup=cgroup, owner=owner,
-                 max_log_bytes=max_log_bytes)
-    with open(paths.log, "ab") as log:
+                 max_log_bytes=max_log_bytes, identity=identity, require_identity=require_identity)
+    with open(os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "ab") as log:
+        if identity is not None and os.geteuid() == 0:
+            # The log is its user's (they read it); this descriptor, opened while it was root's, stays
+            # writable for the shim, which writes through it (it needs no CAP_DAC_OVERRIDE).
+            os.fchown(log.fileno(), identity.uid, identity.gid)
         popen = subprocess.Popen(
             [sys.executable, "-m", "supervisor.run.shim", str(paths.launch)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             start_new_session=True, close_fds=True,
-            env={**os.environ, "PYTHONPATH": _package_root()},
+            # The shim needs nothing of the daemon's environment (its secrets included); the command
+            # gets launch.json's env only.
+            env={**inherited(os.environ), "PYTHONPATH": _package_root()},
         )
     try:
         create_time = psutil.Process(popen.pid).create_time()
@@ -180,15 +190,18 @@ def launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, st
 
 def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[str, str],
                  rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
-                 owner: Owner | None = None, max_log_bytes: int | None = None) -> Path:
-    """What the shim runs with (it is also what a Slurm job's shim reads)."""
-    paths.root.mkdir(parents=True, exist_ok=True)
+                 owner: Owner | None = None, max_log_bytes: int | None = None,
+                 identity: Identity | None = None, require_identity: bool = False,
+                 exit_record: Path | None = None) -> Path:
+    """What the shim runs with (it is also what a Slurm job's shim reads; `exit_record` where that
+    shim, running as the job's user, may write it)."""
+    paths.root.mkdir(parents=True, exist_ok=True, mode=0o700)
     spec = {
         "argv": list(argv),
         "cwd": str(cwd),
         "env": env,
         "log": str(paths.log),
-        "exit_record": str(paths.exit_record),
+        "exit_record": str(exit_record or paths.exit_record),
         "rlimits": rlimits or {},
         "cgroup_procs": str(cgroup.procs_file) if cgroup else None,
         "owner_procs": str(owner.procs_file) if owner is not None and owner.procs_file else None,
@@ -196,6 +209,8 @@ def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[s
         # No cgroup: the shim makes the attempt a PID namespace of its own (see ownership.Owner).
         "pid_namespace": owner is not None and owner.pidns_file is not None,
         "pidns_file": str(owner.pidns_file) if owner is not None and owner.pidns_file else None,
+        "identity": identity.to_dict() if identity is not None else None,
+        "require_identity": require_identity,
     }
     atomic_write_json(paths.launch, spec, mode=0o600)  # the environment may hold tokens
     return paths.launch

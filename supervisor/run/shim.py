@@ -21,6 +21,12 @@ past `max_log_bytes` it keeps the head once (`<log>.head`) and the latest part
 (`<log>.1`), then truncates the log in place (the command writes with
 O_APPEND, so its next line lands at the new start).
 
+Identity (a shared box): the shim runs as root and stays so (it joins the owner cgroup, writes
+exit.json, stops the tree); only the command drops to its submitter, in the child between fork
+and exec: limits and cgroup membership first (they need the privilege), then setgroups, setgid,
+setuid (all three ids of each), checked, then chdir as the user. A spec that asks for an identity
+and has none, or a drop that did not take, runs nothing.
+
 It stays tiny on purpose: stdlib only, no torch, no supervisor imports beyond
 atomic writes.
 """
@@ -192,6 +198,45 @@ def _preexec(spec: dict) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+def _drop_privileges(identity: dict | None) -> None:
+    """Become the job's user for good (in the child, after what needs root); raises if it did not take."""
+    if identity is None:
+        return
+    uid, gid = int(identity["uid"]), int(identity["gid"])
+    groups = [int(g) for g in identity.get("groups") or [gid]]
+    if os.getuid() != uid or os.getgroups() != groups:
+        os.setgroups(groups)
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
+        raise PermissionError(f"could not become uid {uid} gid {gid}")
+    if uid != 0:
+        try:
+            os.setuid(0)
+        except PermissionError:
+            return
+        raise PermissionError("the job could take root back after the drop; not running it")
+
+
+def _own(path: str, identity: dict | None) -> None:
+    """A file the shim made for the job's log (head, latest part): the job's owner's, like the log."""
+    if identity is not None and os.geteuid() == 0:
+        os.chown(path, int(identity["uid"]), int(identity["gid"]), follow_symlinks=False)
+
+
+def _open_log(path: str) -> int:
+    """The log for the command: our stdout when that is it (the daemon opened it for us: on a shared
+    box the file is the job's user's, which root without CAP_DAC_OVERRIDE cannot open for writing),
+    else opened here (a Slurm job's shim, a test)."""
+    try:
+        out, st = os.fstat(1), os.stat(path, follow_symlinks=False)
+        if (out.st_dev, out.st_ino) == (st.st_dev, st.st_ino):
+            return os.dup(1)
+    except OSError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+
+
 def _signal_name(signum: int) -> str:
     """SIGKILL, or SIGRTMIN+3 for real-time signals (no name in the enum)."""
     try:
@@ -215,7 +260,7 @@ def _join_owner(spec: dict) -> str | None:
     return None
 
 
-def _cap_log(log_path: str, log_fd: int, cap: int, stop: threading.Event) -> None:
+def _cap_log(log_path: str, log_fd: int, cap: int, stop: threading.Event, identity: dict | None = None) -> None:
     """Keep the log under `cap` bytes: head once, the latest part, then truncate in place."""
     head_bytes = min(cap // 4, 64 << 20)
     keep = cap // 4
@@ -231,12 +276,12 @@ def _cap_log(log_path: str, log_fd: int, cap: int, stop: threading.Event) -> Non
                 continue
             with open(log_path, "rb") as src:
                 if not head_done:
-                    _copy_to(src, 0, head_bytes, log_path + ".head")
+                    _copy_to(src, 0, head_bytes, log_path + ".head", identity)
                     head_done = True
                 # Copy up to what is there right now, then truncate at once: what the command writes
                 # in between is the only part lost (microseconds of a flood).
                 end = os.fstat(log_fd).st_size
-                _copy_to(src, max(0, end - keep), end - max(0, end - keep), log_path + ".1")
+                _copy_to(src, max(0, end - keep), end - max(0, end - keep), log_path + ".1", identity)
                 size = max(size, end)
             os.ftruncate(log_fd, 0)
             dropped += size
@@ -269,12 +314,17 @@ def _sample_peak(peak: list[int], stop: threading.Event) -> None:
             pass
 
 
-def _copy_to(src, offset: int, length: int, dest: str) -> None:
+def _copy_to(src, offset: int, length: int, dest: str, identity: dict | None = None) -> None:
     src.seek(offset)
     data = src.read(length)
     tmp = dest + ".tmp"
-    with open(tmp, "wb") as f:
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as f:
         f.write(data)
+    _own(tmp, identity)
     os.replace(tmp, dest)
 
 
@@ -354,9 +404,12 @@ def main(argv: list[str]) -> int:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, forward)
 
-    log_fd = os.open(spec["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    identity = spec.get("identity")
+    log_fd = _open_log(spec["log"])
     started = time.time()
     refused = _join_owner(spec)
+    if refused is None and spec.get("require_identity") and identity is None:
+        refused = "this attempt must run as its submitter and names nobody"
     if refused is not None:
         os.write(log_fd, f"oom-supervisor: {refused}; nothing was started\n".encode())
         exit_record.write({"returncode": 126, "signal": None, "launch_error": refused,
@@ -372,7 +425,7 @@ def main(argv: list[str]) -> int:
     stop_cap = threading.Event()
     cap = int(spec.get("max_log_bytes") or 0)
     if cap > 0:
-        threading.Thread(target=_cap_log, args=(spec["log"], log_fd, cap, stop_cap), daemon=True).start()
+        threading.Thread(target=_cap_log, args=(spec["log"], log_fd, cap, stop_cap, identity), daemon=True).start()
     peak = [0]
     threading.Thread(target=_sample_peak, args=(peak, stop_cap), daemon=True).start()
     status = _wait_for(pid)
@@ -399,8 +452,9 @@ def _start_command(spec: dict, log_fd: int) -> tuple[int, bytes]:
             os.dup2(devnull, 0)
             os.dup2(log_fd, 1)
             os.dup2(log_fd, 2)
-            os.chdir(spec["cwd"])
-            _preexec(spec)
+            _preexec(spec)  # limits and cgroups need the privilege: before the drop
+            _drop_privileges(spec.get("identity"))
+            os.chdir(spec["cwd"])  # as the user: their permissions decide
             os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
         except BaseException as exc:  # exec failed: say so in the log, exit like a shell would
             try:

@@ -181,8 +181,11 @@ def batch_script(argv: list[str], *, launcher_prefix: list[str], nodes: int,
 
 
 def sbatch_args(log: Path, cwd: Path, *, settings: SlurmSettings, request: SlurmJobRequest | None,
-                job_name: str) -> list[str]:
-    """sbatch's options for one attempt; the job's request overrides the site's settings."""
+                job_name: str, run_as: tuple[int, int] | None = None) -> list[str]:
+    """sbatch's options for one attempt; the job's request overrides the site's settings.
+    `run_as` (uid, gid): a shared box's daemon (root) submits each attempt as the job's submitter
+    (`--uid/--gid`, root only: sbatch drops to that user once the allocation is made), so Slurm
+    accounts, limits and runs it as them."""
     req = request or SlurmJobRequest()
     nodes = req.nodes or settings.nodes
     gpus = req.gpus_per_node if req.gpus_per_node is not None else settings.gpus_per_node
@@ -206,6 +209,8 @@ def sbatch_args(log: Path, cwd: Path, *, settings: SlurmSettings, request: Slurm
         args.append(f"--partition={settings.partition}")
     if settings.account:
         args.append(f"--account={settings.account}")
+    if run_as is not None:
+        args += [f"--uid={int(run_as[0])}", f"--gid={int(run_as[1])}"]
     return args + list(settings.extra_args)
 
 
@@ -223,8 +228,10 @@ def _sbatch_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def submit(attempt_dir: Path, log: Path, argv: list[str], cwd: Path, env: dict[str, str], *,
-           settings: SlurmSettings, request: SlurmJobRequest | None, job_name: str) -> SlurmSubmission:
-    """Write the batch script into attempt_dir and sbatch it; the job id Slurm gave."""
+           settings: SlurmSettings, request: SlurmJobRequest | None, job_name: str,
+           run_as: tuple[int, int] | None = None) -> SlurmSubmission:
+    """Write the batch script into attempt_dir and sbatch it (as `run_as` (uid, gid) when given:
+    see sbatch_args); the job id Slurm gave."""
     if not argv:
         raise ValueError("submit: empty argv")
     nodes = (request.nodes if request and request.nodes else None) or settings.nodes
@@ -233,7 +240,7 @@ def submit(attempt_dir: Path, log: Path, argv: list[str], cwd: Path, env: dict[s
                       mode=0o755)
     Path(log).parent.mkdir(parents=True, exist_ok=True)
     cmd = ["sbatch", *sbatch_args(Path(log), Path(cwd), settings=settings, request=request,
-                                  job_name=job_name), str(script)]
+                                  job_name=job_name, run_as=run_as), str(script)]
     submitted_at = time.time()
     res = _run(cmd, env=_sbatch_env(env))
     job_id = res.stdout.strip().split(";", 1)[0]

@@ -118,7 +118,8 @@ class Metrics:
         now = self.clock()
         if self._record is None or now - self._record_at >= RECORD_REFRESH_S:
             self._record, self._record_at = record_families(store), now
-        self._snapshot.families = [*self._record, *running_families(store, running)]
+        self._snapshot.families = [*self._record, *running_families(
+            store, running, names=bool(self.spec is not None and self.spec.job_names))]
         self.write_textfile()
 
 
@@ -181,8 +182,10 @@ def record_families(store) -> list:
     return fam
 
 
-def running_families(store, running: list[RunningJob] = ()) -> list:
-    labels = ["job", "name", "attempt"]
+def running_families(store, running: list[RunningJob] = (), *, names: bool = False) -> list:
+    """Per running job, by id (and by name with `names`: metrics.job_names). Label values are
+    escaped by prometheus_client's exposition, so no name can add a sample or a line."""
+    labels = ["job", "name", "attempt"] if names else ["job", "attempt"]
     step = GaugeMetricFamily(f"{PREFIX}_job_step", "Global step of a running job", labels=labels)
     total = GaugeMetricFamily(f"{PREFIX}_job_total_steps", "Total steps of a running job", labels=labels)
     tps = GaugeMetricFamily(f"{PREFIX}_job_tokens_per_second", "Tokens/s of a running attempt", labels=labels)
@@ -192,7 +195,7 @@ def running_families(store, running: list[RunningJob] = ()) -> list:
                             "summed over its GPUs", labels=labels)
     for r in running:
         row = store.attempt(r.job_id, r.attempt)
-        lv = [str(r.job_id), r.name, str(r.attempt)]
+        lv = [str(r.job_id), r.name, str(r.attempt)] if names else [str(r.job_id), str(r.attempt)]
         for family, live, stored in ((step, r.step, row and row.max_step),
                                      (total, r.total_steps, row and row.total_steps),
                                      (tps, r.tokens_per_s, row and row.tokens_per_s),
@@ -204,5 +207,5 @@ def running_families(store, running: list[RunningJob] = ()) -> list:
     return [step, total, tps, host, gpu]
 
 
-def build_families(store, running: list[RunningJob] = ()) -> list:
-    return record_families(store) + running_families(store, running)
+def build_families(store, running: list[RunningJob] = (), *, names: bool = False) -> list:
+    return record_families(store) + running_families(store, running, names=names)

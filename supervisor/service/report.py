@@ -25,6 +25,7 @@ import yaml
 from supervisor.core.paths import StatePaths
 from supervisor.record.store import Store
 from supervisor.run.progress import TRAINER_LOG, _parse_lines, parse_elapsed
+from supervisor.service.escape import markdown_text
 
 GiB = float(1 << 30)
 FAILED_OUTCOMES_SKIP = ("success", "running", "interrupted")
@@ -377,7 +378,7 @@ def attempt_rows(job: JobView) -> list[list[str]]:
 
 
 def _md_table(rows: list[list[str]]) -> str:
-    esc = [[c.replace("|", "\\|").replace("\n", " ") for c in r] for r in rows]
+    esc = [[markdown_text(c) for c in r] for r in rows]
     lines = ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(esc[0])]
     lines += ["| " + " | ".join(r) + " |" for r in esc[1:]]
     return "\n".join(lines)
@@ -395,21 +396,24 @@ def _title(night: Night) -> str:
 
 
 def render_markdown(night: Night, images: dict[int, str]) -> str:
-    out = [f"# {_title(night)}", "", f"Generated {_ts(night.generated_at)}.", "", "## The night", "",
+    """Every piece of text from the record or the logs goes through `markdown_text`: a job name
+    or a quoted log line must read as itself, never as HTML, a link or a tracking image."""
+    md = markdown_text
+    out = [f"# {md(_title(night))}", "", f"Generated {_ts(night.generated_at)}.", "", "## The night", "",
            _md_table(night_rows(night)), ""]
     for j in night.jobs:
-        out += [f"## Job {j.id}: {j.name} ({j.state})", ""]
+        out += [f"## Job {j.id}: {md(j.name)} ({md(j.state)})", ""]
         if j.reason:
-            out += [f"{j.reason}", ""]
+            out += [md(j.reason), ""]
         if j.id in images:
             out += [f"![job {j.id}]({images[j.id]})", ""]
         elif j.log_note:
-            out += [f"_{j.log_note}_", ""]
+            out += [f"_{md(j.log_note)}_", ""]
         out += [_md_table(attempt_rows(j)), ""]
         for a in j.attempts:
             if a.failed:
-                out.append(f"- attempt {a.number}: **{a.outcome}** - {a.summary}"
-                           + (f" -> next: {a.next_remedy}" if a.next_remedy else ""))
+                out.append(f"- attempt {a.number}: **{md(a.outcome)}** - {md(a.summary)}"
+                           + (f" -> next: {md(a.next_remedy)}" if a.next_remedy else ""))
         out.append("")
     return "\n".join(out)
 

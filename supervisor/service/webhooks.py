@@ -22,6 +22,8 @@ from typing import Any
 
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from supervisor.service.escape import chat_text
+
 QUEUE_SIZE = 200
 USER_AGENT = "oom-supervisor-webhook/1"
 
@@ -35,12 +37,14 @@ class WebhookError(RuntimeError):
 
 
 def event_text(event: Mapping[str, Any]) -> str:
-    """The one line a chat shows: 'job 3 (llama-lora) failed: <why>'."""
+    """The one line a chat shows: 'job 3 (llama-lora) failed: <why>'. Names and messages come from
+    job files and logs: escaped for the chat (`chat_text`), so they read as text and never ping or
+    link; the event's other JSON fields stay exact for programs."""
     who = f"job {event.get('job')}" + (f" ({event['name']})" if event.get("name") else "")
     text = f"oom-supervisor: {who} {event.get('event', 'event')}"
     if event.get("message"):
         text += f": {event['message']}"
-    return text
+    return chat_text(text)
 
 
 def payload(event: Mapping[str, Any]) -> bytes:
@@ -73,12 +77,26 @@ class Webhook:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name=self.label, daemon=True)
         self._thread.start()
+        self._check_source()
+
+    def _check_source(self) -> None:
+        """Said at start-up, not at the first failure hours later: a URL that is not there, or a
+        file others may read."""
+        spec = self.spec
+        if spec.url_env and not self.env.get(spec.url_env, "").strip():
+            self.log.warning("webhook_url_missing", hook=self.label,
+                             hint=f"set {spec.url_env} in the daemon's environment (the system unit reads "
+                                  "/etc/oom-supervisor/supervisor.env, 0600); nothing is posted until then")
+            return
+        if spec.url_file is None:
+            return
         try:
-            if spec.url_file is not None and spec.url_file.stat().st_mode & 0o044:
-                log.warning("webhook_url_file_readable_by_others", hook=self.label,
-                            hint=f"the URL is a secret: chmod 600 {spec.url_file}")
-        except OSError:
-            pass  # missing: said when sending
+            if spec.url_file.stat().st_mode & 0o044:
+                self.log.warning("webhook_url_file_readable_by_others", hook=self.label,
+                                 hint=f"the URL is a secret: chmod 600 {spec.url_file}")
+        except OSError as exc:
+            self.log.warning("webhook_url_missing", hook=self.label,
+                             hint=f"cannot read {spec.url_file}: {exc.strerror}; nothing is posted until it can be")
 
     def wants(self, kind: str | None) -> bool:
         return "*" in self.spec.on or kind in self.spec.on

@@ -89,3 +89,26 @@ def test_concurrent_first_open_migrates_once(tmp_path):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_a_state_file_from_before_owners_opens_and_its_jobs_have_none(tmp_path):
+    """Schema 3 (no owner columns): migrated on open; its jobs ran as the daemon's user."""
+    from supervisor.record.store import MIGRATIONS, _statements
+
+    path = tmp_path / "old.sqlite3"
+    c = sqlite3.connect(path)
+    for script in MIGRATIONS[:3]:
+        for stmt in _statements(script):
+            c.execute(stmt)
+    c.execute("INSERT INTO jobs(name, kind, state, workdir, submitted_at, updated_at) "
+              "VALUES('old', 'command', 'succeeded', '/', 1, 1)")
+    c.execute("PRAGMA user_version=3")
+    c.commit()
+    c.close()
+    st = Store(path)
+    job = st.job(1)
+    assert (job.name, job.owner_uid, job.owner) == ("old", None, None)
+    assert st.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    new = st.add_job(name="n", kind="command", priority=0, policy=None, workdir="/", source=None,
+                     spool_key=None, owner_uid=1234, owner="alice")
+    assert (st.job(new).owner_uid, st.job(new).owner) == (1234, "alice")

@@ -274,12 +274,14 @@ def test_job_file_with_tokens_is_private(env, tmp_path):
     assert stat.S_IMODE(state.job(job_id).job_file.stat().st_mode) == 0o600
 
 
-def test_submit_writes_group_readable_not_world_readable(env, tmp_path):
+def test_submit_writes_the_file_private_to_its_submitter(env, tmp_path):
+    """The owner is the submitter; nobody else (a member of the same submit group included) reads it:
+    the daemon runs as root on a shared box (issue 17 case 3)."""
     from supervisor.intake.spool import submit
 
     spool, _, _ = env
     dest = submit(spool, job(tmp_path, env={"HF_TOKEN": "x"}), name="s.yaml", cwd=tmp_path)
-    assert stat.S_IMODE(dest.stat().st_mode) == 0o640
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o600 and dest.stat().st_uid == os.geteuid()
 
 
 def test_atomic_writes_are_private_by_default(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from supervisor.daemon.config import ConfigError, default_dirs, load_config
 
@@ -22,7 +23,12 @@ def test_the_shipped_example_config_loads():
     configs/daemon.yaml was refused with 'Keys should be strings'."""
     cfg = load_config(REPO / "configs/daemon.yaml", env={})
     assert cfg.notify[0].on == ["succeeded", "failed", "escalated", "paused"]
-    assert cfg.webhooks and cfg.webhooks[0].url_env
+    # Issue 20 item 8: no webhook is enabled from a variable nothing sets; its example, uncommented, loads.
+    assert cfg.webhooks == [] and cfg.mode == "single-user" and cfg.metrics.job_names is False
+    text = (REPO / "configs/daemon.yaml").read_text()
+    example = "\n".join(ln[2:] for ln in text.splitlines() if ln.startswith(("# webhooks:", "#   - url_env", "#     on:")))
+    hooks = yaml.safe_load(example)["webhooks"]
+    assert hooks[0]["url_env"] == "OOM_SUPERVISOR_WEBHOOK_URL"
 
 
 def test_on_off_yes_no_keys_and_values(tmp_path):

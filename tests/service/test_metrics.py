@@ -58,7 +58,7 @@ def test_scrape_the_real_endpoint(tmp_path, rlog):
     assert got[(p + "steps_lost_total", ())] == 10, "job 1: 0 + 0 (nothing logged); job 2: 30 - 20"
     assert got[(p + "checkpoints_quarantined_total", ())] == 1
     assert got[(p + "queue_paused", ())] == 0
-    job = (("attempt", "2"), ("job", "2"), ("name", "qwen-7b-sft"))
+    job = (("attempt", "2"), ("job", "2"))
     assert got[(p + "job_step", job)] == 41, "the live value beats the stored one"
     assert got[(p + "job_total_steps", job)] == 100
     assert got[(p + "job_tokens_per_second", job)] == 1500.0
@@ -79,7 +79,7 @@ def test_running_job_falls_back_to_the_record_and_the_queue_pause_shows(tmp_path
     m = Metrics(None)
     m.update(store, [RunningJob(2, "qwen-7b-sft", 2)])
     got = samples(m.render())
-    job = (("attempt", "2"), ("job", "2"), ("name", "qwen-7b-sft"))
+    job = (("attempt", "2"), ("job", "2"))
     assert got[("oom_supervisor_job_step", job)] == 40 and got[("oom_supervisor_queue_paused", ())] == 1
     assert ("oom_supervisor_job_peak_gpu_memory_bytes", job) not in got, "unknown is absent, not 0"
 
@@ -119,7 +119,7 @@ def test_totals_are_reread_at_most_every_few_seconds_live_facts_every_tick(tmp_p
     t[0] += 1
     m.update(store, [RunningJob(2, "qwen-7b-sft", 2, step=42)])
     got = samples(m.render())
-    job = (("attempt", "2"), ("job", "2"), ("name", "qwen-7b-sft"))
+    job = (("attempt", "2"), ("job", "2"))
     assert got[("oom_supervisor_job_step", job)] == 42
     assert got[("oom_supervisor_jobs", (("state", "queued"),))] == 1, "the record is not re-read every tick"
     t[0] += 5

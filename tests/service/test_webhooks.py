@@ -113,6 +113,15 @@ def test_missing_secret_is_said_without_retrying(rlog, tmp_path):
     assert "cannot read" in rlog.text() and "No such file" in rlog.text()
 
 
+def test_a_url_variable_nobody_set_is_said_at_start_up(rlog):
+    """Issue 20 item 8: the daemon said nothing until the first event failed, hours later."""
+    Webhooks([WebhookSpec(url_env="OOM_SUPERVISOR_WEBHOOK_URL")], log=rlog.log, env={})
+    assert rlog.events("warning") == ["webhook_url_missing"] and "supervisor.env" in rlog.text()
+    Webhooks([WebhookSpec(url_env="OOM_SUPERVISOR_WEBHOOK_URL")], log=rlog.log,
+             env={"OOM_SUPERVISOR_WEBHOOK_URL": "http://127.0.0.1:9/x"})
+    assert rlog.events("warning") == ["webhook_url_missing"], "set: nothing more said"
+
+
 def test_notifier_forwards_events_to_webhooks(http_server, rlog, monkeypatch):
     srv = http_server()
     monkeypatch.setenv("TEST_HOOK_URL", srv.url)

@@ -78,6 +78,14 @@ def test_sbatch_args_request_overrides_site():
     assert r.world_size(s) == 2 and sl.SlurmJobRequest(nodes=4).world_size(s) == 32
 
 
+def test_sbatch_args_submit_as_the_jobs_user_on_a_shared_box():
+    s = sl.SlurmSettings(extra_args=["--qos=high"])
+    args = sl.sbatch_args(Path("/l"), Path("/w"), settings=s, request=None, job_name="j", run_as=(1001, 1002))
+    assert args[-3:] == ["--uid=1001", "--gid=1002", "--qos=high"]
+    plain = sl.sbatch_args(Path("/l"), Path("/w"), settings=s, request=None, job_name="j")
+    assert not any(a.startswith(("--uid", "--gid")) for a in plain)
+
+
 def test_batch_script_execs_and_multinode_uses_llamafactory_names():
     one = sl.batch_script(["llamafactory-cli", "train", "a b.yaml"], launcher_prefix=[], nodes=1)
     assert one.splitlines()[-1] == "exec llamafactory-cli train 'a b.yaml'"

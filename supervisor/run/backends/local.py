@@ -32,6 +32,7 @@ class LocalBackend:
         self.state_root = cfg.state.root
         self.max_log_bytes = cfg.max_log_bytes
         self.gpu_devices = cfg.gpu_devices
+        self.system_mode = cfg.system_mode  # every attempt runs as its submitter, and none without one
         self.state_tag = hashlib.sha256(str(self.state_root).encode()).hexdigest()[:8]
         self.cgroup_support = detect_cgroup() if cfg.cgroups == "auto" else None
         self.owner_support = detect_owner_support(self.state_tag) if cfg.cgroups == "auto" else None
@@ -98,9 +99,12 @@ class LocalBackend:
             res.cgroup.remove(timeout_s=0.1)
 
     def launch(self, res: Reservation, paths: AttemptPaths, *, argv: list[str], cwd: Path,
-               env: dict[str, str], spec: JobSpec) -> Launched:
+               env: dict[str, str], spec: JobSpec, identity: Any = None) -> Launched:
+        """The shim (root on a shared box) runs the command as `identity`, and nothing at all without
+        one in system mode."""
         handle = proctree.launch(paths, argv=argv, cwd=cwd, env=env, rlimits=res.rlimits, cgroup=res.cgroup,
-                                 owner=res.owner, max_log_bytes=self.max_log_bytes)
+                                 owner=res.owner, max_log_bytes=self.max_log_bytes, identity=identity,
+                                 require_identity=self.system_mode)
         return Launched(handle, {"pid": handle.pid, "pid_create_time": handle.create_time})
 
     def unlaunched(self, res: Reservation) -> proctree.Handle:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from supervisor.core.paths import AttemptPaths
 from supervisor.intake.jobspec import JobSpec
 from supervisor.intake.slurm_request import SlurmJobRequest
-from supervisor.run import proctree, slurm
+from supervisor.run import attemptdir, proctree, slurm
 from supervisor.run.backends.base import Launched, Reservation
 from supervisor.run.fsutil import tail_text
 from supervisor.run.slurm_handle import SlurmHandle
@@ -68,12 +69,21 @@ class SlurmBackend:
         pass
 
     def launch(self, res: Reservation, paths: AttemptPaths, *, argv: list[str], cwd: Path,
-               env: dict[str, str], spec: JobSpec) -> Launched:
-        """One attempt = one sbatch job running the launch shim (exit.json, SIGTERM to every worker)."""
-        proctree.write_launch(paths, argv=argv, cwd=cwd, env=env, max_log_bytes=self.max_log_bytes)
+               env: dict[str, str], spec: JobSpec, identity: Any = None) -> Launched:
+        """One attempt = one sbatch job running the launch shim (exit.json, SIGTERM to every worker).
+        A shared box submits it as its user (sbatch --uid/--gid): the shim in the job is then that
+        user, reads launch.json as them and writes the exit record into the job's own folder."""
+        run_as = (identity.uid, identity.gid) if identity is not None and identity.uid != os.geteuid() else None
+        proctree.write_launch(paths, argv=argv, cwd=cwd, env=env, max_log_bytes=self.max_log_bytes,
+                              exit_record=paths.user_dir / "exit.json" if run_as else None)
+        if run_as:
+            attemptdir.give(paths.launch, identity)
+            paths.log.touch(mode=0o600)
+            attemptdir.give(paths.log, identity)  # the Slurm step opens it (--output) as the user
         sub = slurm.submit(paths.root, paths.log, [sys.executable, "-m", "supervisor.run.shim", str(paths.launch)],
                            cwd, {**env, "PYTHONPATH": proctree.package_root()},
-                           settings=self.settings, request=self.request(spec), job_name=f"oomsv-{res.tag}")
+                           settings=self.settings, request=self.request(spec), job_name=f"oomsv-{res.tag}",
+                           run_as=run_as)
         handle = SlurmHandle(sub.job_id, sub.to_dict())
         return Launched(handle, {"backend_ref": json.dumps({"slurm": handle.record})},
                         [("slurm_submitted", f"is Slurm job {sub.job_id}", {"slurm_job": sub.job_id})])
@@ -93,7 +103,11 @@ class SlurmBackend:
         st = handle.refresh(force=True)
         if st is None:
             return None
-        return slurm.verdict(st, tail_text(paths.log, 64 << 10), requested_mem_bytes=memory_limit)
+        sched = slurm.verdict(st, tail_text(paths.log, 64 << 10), requested_mem_bytes=memory_limit)
+        shim = attemptdir.read_job_json(paths.user_dir / "exit.json")  # a shared box: the user's shim wrote it
+        if isinstance(shim, dict) and not paths.exit_record.exists():
+            sched["exit"] = {**sched["exit"], **{k: v for k, v in shim.items() if v is not None}}
+        return sched
 
     def telemetry(self, handle: Any, gpus: list[int] | None) -> None:
         return None  # no access to the nodes' GPUs from here
