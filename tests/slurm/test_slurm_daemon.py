@@ -132,3 +132,33 @@ def test_the_demo_night_runs_on_slurm(slurm, tmp_path):
     assert len(ids) == len(shown["attempt_list"]) and len(set(ids)) == len(ids), "one sbatch job per attempt"
     assert sl.query(ids[0]).state in ("OUT_OF_MEMORY", "FAILED")
     assert os.environ.get("SLURM_CONF")
+
+
+PRINT_ENV = ("import os\n"
+             "for k in ('SLURM_JOB_ID', 'CUDA_VISIBLE_DEVICES', 'SLURM_JOB_GPUS', 'OOMSUP_PROBE'):\n"
+             "    print('env', k + '=' + str(os.environ.get(k)), flush=True)\n")
+
+
+def test_the_trainer_sees_slurms_job_environment_and_the_attempts(slurm, tmp_path):
+    """Issue 21 case 1: the shim ran the command with exactly launch.json's environment, so the
+    trainer saw SLURM_JOB_ID=None, CUDA_VISIBLE_DEVICES=None while the batch script's own line in
+    the same log said "slurm job 36": the GPUs Slurm gave were ignored."""
+    d = slurm_daemon(tmp_path).start()
+    try:
+        (tmp_path / "work").mkdir(exist_ok=True)
+        (tmp_path / "work" / "env.py").write_text(PRINT_ENV)
+        drop(d.spool, "env.yaml", command_job(tmp_path / "work", [sys.executable, "env.py"], max_attempts=1,
+                                              slurm={"gpus_per_node": 2},
+                                              env={"OOMSUP_PROBE": "the job's own", "CUDA_VISIBLE_DEVICES": "7"}))
+        d.wait_state(1, {"failed", "succeeded"}, timeout=120)
+        text = d.cli("logs", "1").stdout
+        job_id = slurm_job_of(d, 1)
+        assert f"env SLURM_JOB_ID={job_id}\n" in text, text
+        assert "env CUDA_VISIBLE_DEVICES=0,1\n" in text  # Slurm's gres, not the job file's "7"
+        assert "env SLURM_JOB_GPUS=0,1\n" in text and "env OOMSUP_PROBE=the job's own\n" in text
+        assert d.job_state(1) == "succeeded"
+        shown = d.show(1)
+        ev = next(e for e in shown["events"] if e["kind"] == "scheduler_verdict")
+        assert ev["data"]["state"] == "COMPLETED" and ev["data"]["evidence"][0].startswith("Slurm COMPLETED")
+    finally:
+        d.stop(signal.SIGTERM, timeout=60)
