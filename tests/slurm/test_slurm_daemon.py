@@ -3,6 +3,7 @@ job; diagnosis, policy and resume are the same as on one box."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import yaml
 from supervisor.run import slurm as sl
 
 from ..conftest import DaemonProc, command_job, drop, write_config
+from .conftest import wait_terminal
 
 
 def slurm_daemon(tmp_path: Path, **cfg) -> DaemonProc:
@@ -160,5 +162,53 @@ def test_the_trainer_sees_slurms_job_environment_and_the_attempts(slurm, tmp_pat
         shown = d.show(1)
         ev = next(e for e in shown["events"] if e["kind"] == "scheduler_verdict")
         assert ev["data"]["state"] == "COMPLETED" and ev["data"]["evidence"][0].startswith("Slurm COMPLETED")
+    finally:
+        d.stop(signal.SIGTERM, timeout=60)
+
+
+DONE_ON_A_LATER_ATTEMPT = """import os, sys, time
+if "-attempt-1-" not in os.environ["OOM_SUPERVISOR_ATTEMPT"]:
+    print("later attempt: done", flush=True)
+    sys.exit(0)
+print("attempt 1 running", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_job_slurm_no_longer_knows_with_no_exit_record_is_interrupted_not_charged(slurm, tmp_path):
+    """Issue 18 case 4: a job that neither scontrol nor the jobcomp file knows (a controller that
+    lost it: submitted after its last state save, then killed -9), with no exit record, was judged
+    an ordinary failure charged to the budget, where a local attempt that vanished is interrupted.
+    Reproduced from the record: the daemon is killed -9, its Slurm job SIGKILLed (no shim writes
+    anything), and the attempt's record made to name a job id this controller never had."""
+    import sqlite3
+
+    d = slurm_daemon(tmp_path).start()
+    try:
+        (tmp_path / "work").mkdir(exist_ok=True)
+        (tmp_path / "work" / "lost.py").write_text(DONE_ON_A_LATER_ATTEMPT)
+        drop(d.spool, "lost.yaml", command_job(tmp_path / "work", [sys.executable, "lost.py"], max_attempts=1))
+        d.wait_for(lambda: "attempt 1 running" in d.cli("logs", "1").stdout, timeout=120, what="running in Slurm")
+        real = slurm_job_of(d, 1)
+        d.kill9()
+        sl.kill_at_once(real)
+        wait_terminal(real, timeout=60)
+        never = str(int(real) + 900000)
+        assert sl.query(never) is None  # neither scontrol nor the jobcomp file
+        db = sqlite3.connect(d.state / "state.sqlite3")
+        ref = json.loads(db.execute("SELECT backend_ref FROM attempts WHERE job_id=1 AND number=1").fetchone()[0])
+        ref["slurm"]["job_id"] = never
+        db.execute("UPDATE attempts SET backend_ref=? WHERE job_id=1 AND number=1", (json.dumps(ref),))
+        db.commit()
+        db.close()
+        assert not list((d.state / "jobs" / "1" / "attempt-1").glob("exit*.json"))
+        d.start()
+        d.wait_state(1, {"succeeded", "failed"}, timeout=180)
+        shown = d.show(1)
+        first = shown["attempt_list"][0]
+        assert first["decision"] == {"kind": "interrupted", "cause": "slurm lost"}, first["decision"]
+        assert shown["state"] == "succeeded" and len(shown["attempt_list"]) == 2  # max_attempts 1: not charged
+        said = [e["message"] for e in shown["events"] if f"knows Slurm job {never}" in e["message"]]
+        assert said and "left no exit record" in said[0] and "not a failure of the job" in said[0], shown["events"]
     finally:
         d.stop(signal.SIGTERM, timeout=60)
