@@ -212,3 +212,39 @@ def test_a_job_slurm_no_longer_knows_with_no_exit_record_is_interrupted_not_char
         assert said and "left no exit record" in said[0] and "not a failure of the job" in said[0], shown["events"]
     finally:
         d.stop(signal.SIGTERM, timeout=60)
+
+
+IGNORE_TERM = """import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("pid", os.getpid(), flush=True)
+while True:
+    time.sleep(0.2)
+"""
+
+
+def test_the_stop_deadline_kills_at_once_not_after_slurms_killwait(slurm, tmp_path):
+    """Issue 21 case 3: at the stop deadline the daemon ran `scancel` (SIGTERM, KillWait, SIGKILL),
+    so a trainer ignoring SIGTERM lived another 30 s. Now every step, then the batch step, is
+    SIGKILLed at the deadline (see supervisor.run.slurm.kill_at_once), and the verdict says so."""
+    import psutil
+
+    d = slurm_daemon(tmp_path).start()  # stop_grace 5 s
+    try:
+        (tmp_path / "work").mkdir(exist_ok=True)
+        (tmp_path / "work" / "ignore.py").write_text(IGNORE_TERM)
+        drop(d.spool, "i.yaml", command_job(tmp_path / "work", [sys.executable, "ignore.py"]))
+        text = d.wait_for(lambda: "pid " in (t := d.cli("logs", "1").stdout) and t, timeout=120,
+                          what="running in Slurm")
+        pid = int(text.split("pid ")[1].split()[0])
+        kill_wait = sl.kill_wait_s()
+        t0 = time.monotonic()
+        assert d.cli("cancel", "1").returncode == 0
+        d.wait_state(1, "cancelled", timeout=120)
+        took = time.monotonic() - t0
+        print(f"cancel of a TERM-ignoring job: cancelled after {took:.1f} s (stop_grace 5 s, KillWait {kill_wait:g} s)")
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert took < 5 + kill_wait, f"{took:.1f} s: the kill waited for Slurm's KillWait"
+        ev = next(e for e in d.show(1)["events"] if e["kind"] == "scheduler_verdict")
+        assert ev["data"]["stop_commands"][-1] == f"scancel --signal=KILL --batch {slurm_job_of(d, 1)}", ev["data"]
+    finally:
+        d.stop(signal.SIGTERM, timeout=60)
