@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from supervisor.core.models import Diagnosis, Evidence
+from supervisor.core.models import Category, Diagnosis, Evidence
 
 _STOPPED = ("SIGTERM", "SIGINT", "SIGHUP")
 _RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -95,9 +95,9 @@ def combine_exits(records: Mapping[str, Mapping[str, Any]], expected: Sequence[s
         out = {"returncode": None, "signal": None, "ended_at": ended,
                "note": f"node(s) {', '.join(missing)} left no exit record while "
                        f"{', '.join(sorted(records))} exited 0: their end is unknown, not a success"}
-    else:
-        node, chosen = max(records.items(), key=lambda nr: (nr[1].get("ended_at") or 0, nr[0]))
-        out = {**chosen, "node": node}
+    else:  # every node exited 0: no node decided it
+        _, chosen = max(records.items(), key=lambda nr: (nr[1].get("ended_at") or 0, nr[0]))
+        out = {k: v for k, v in chosen.items() if k not in ("node", "node_rank", "pid")}
     out.update(nodes=nodes, missing_nodes=missing)
     if started:
         out["started_at"] = min(started)
@@ -123,6 +123,8 @@ def locate(diagnosis: Diagnosis, *, exit_node: str | None, rank_node: str | None
     last lines); `rank_node`: the node of the rank the log named; `exit_node`: the node whose exit
     record decided. The first known of these is the node; a disagreement is said, not hidden."""
     node = (failed_nodes[0] if failed_nodes else None) or rank_node or exit_node
+    if diagnosis.category is Category.SUCCESS:
+        node = None  # every node exited 0: none to name
     said: list[str] = []
     if failed_nodes:
         said.append(f"Slurm reports node(s) {', '.join(failed_nodes)} down")
@@ -132,15 +134,18 @@ def locate(diagnosis: Diagnosis, *, exit_node: str | None, rank_node: str | None
             where += f" (rank {diagnosis.rank})"
         said.append(where[0].upper() + where[1:])
         if rank_node is not None and exit_node is not None and exit_node != rank_node:
-            said.append(f"the first node to fail by its exit record was {exit_node}")
+            said.append(f"The first node to fail by its exit record was {exit_node}")
     if node_ends and len(node_ends) > 1:
-        said.append("nodes: " + "; ".join(f"{n} {_end_words(e)}" for n, e in sorted(node_ends.items())))
+        said.append("Nodes: " + "; ".join(f"{n} {_end_words(e)}" for n, e in sorted(node_ends.items())))
     evidence = diagnosis.evidence
     if scheduler_words and diagnosis.numbers.get("scheduler_state"):
         # The scheduler decided: its own words are the evidence, not the log's last lines.
         evidence = tuple(Evidence(line_no=0, text=w[:500], rule="scheduler") for w in scheduler_words) + tuple(
             e for e in evidence if e.rule != "tail")
-    summary = diagnosis.summary + (" " + ". ".join(said) + "." if said else "")
+    head = diagnosis.summary.rstrip()
+    if said and head and head[-1] not in ".!?":
+        head += "."
+    summary = head + (" " + ". ".join(said) + "." if said else "")
     return dataclasses.replace(diagnosis, node=node, summary=summary, evidence=evidence[:8])
 
 

@@ -19,11 +19,16 @@ API (what the attempt runner calls; every Slurm command runs with a timeout, non
   ``POLL_INTERVAL_S`` so a loop polling many attempts costs one RPC per interval.
 - ``find_by_name(job_name) -> dict[str, SlurmJobState]``: before resubmitting after a submit
   that raised SlurmUnavailable (the job may exist although sbatch's answer was lost).
-- ``cancel(job_id, *, hard)``: soft sends SIGTERM to the batch process (the exec'd launcher,
-  which forwards to its workers) and leaves the waiting to the caller; hard is ``scancel``
-  (SIGTERM, KillWait, SIGKILL to the whole job cgroup) or, with ``kill_now=True``, SIGKILL at once.
+- ``cancel(job_id, *, hard, kill_now, steps_only) -> commands``: soft sends SIGTERM to the shims
+  (the exec'd batch process on one node; the srun step's tasks on several, never srun itself);
+  hard is ``scancel`` (SIGTERM, KillWait, SIGKILL); ``kill_now`` is ``kill_at_once``: SIGKILL to
+  every step then the batch step, which is the only thing that kills at once (a job-level
+  ``scancel --signal=KILL --full`` waits KillWait too).
 - ``same_run(recorded, now) -> bool``: see its docstring (a job id alone is not proof).
-- ``verdict(state, log_tail, *, requested_mem_bytes=None) -> dict``: diagnosis evidence:
+- ``node_states(nodes)`` / ``down_nodes(states)``: which of a job's nodes Slurm holds as failed (a
+  NODE_FAIL names them); ``kill_wait_s()``: the cluster's KillWait.
+- ``verdict(state, log_tail, *, requested_mem_bytes=None, killed_by_supervisor=False) -> dict``:
+  diagnosis evidence:
   ``exit`` (ExitRecord fields), ``host`` (HostEvidence fields), ``scheduler_state``,
   ``interrupted`` (NODE_FAIL, PREEMPTED, BOOT_FAIL: resume, no budget), ``timeout``, ``cancelled``,
   ``evidence`` (the log lines it rests on); ``records(v)`` -> (ExitRecord, HostEvidence).
@@ -37,10 +42,12 @@ unwarned, while the shim forwards SIGTERM to every descendant and writes exit.js
 Seen here: while a killed job is COMPLETING (up to KillWait, 30 s) slurmctld starts no other job
 on the node, so the attempt after a hard cancel may wait that long in PENDING.
 
-Multi-node (nodes > 1) is only reasoned, never run here (one node): the batch script ``exec``s
-``srun --ntasks-per-node=1`` so each node runs one launcher with LLaMA-Factory's own variables
-(``NNODES``, ``NODE_RANK`` = ``SLURM_NODEID``, ``MASTER_ADDR`` = first host of
-``scontrol show hostnames $SLURM_JOB_NODELIST``, ``MASTER_PORT``, ``FORCE_TORCHRUN=1``).
+Multi-node (nodes > 1), run on scripts/slurm2.sh (two slurmd in network namespaces): the batch
+script ``exec``s ``srun --ntasks-per-node=1`` so each node runs one shim with LLaMA-Factory's own
+variables (``NNODES``, ``NODE_RANK`` = ``SLURM_NODEID``, ``MASTER_ADDR`` = first host of
+``scontrol show hostnames $SLURM_JOB_NODELIST``, ``MASTER_PORT``, ``FORCE_TORCHRUN=1``); the shim
+merges them and Slurm's allocation into the attempt's environment (``shim.job_environment``) and
+writes ``exit-<node>.json``, judged together by ``supervisor.judge.nodes``.
 Measured behaviour behind each choice: ../shared/docs/slurm.md.
 """
 
@@ -170,7 +177,7 @@ def batch_script(argv: list[str], *, launcher_prefix: list[str], nodes: int,
     if nodes <= 1:
         lines.append(f"exec {cmd}")
     else:
-        # Reasoned, not run here (single node): LLaMA-Factory's multi-node variables per task.
+        # LLaMA-Factory's multi-node variables per task (run on scripts/slurm2.sh's two nodes).
         lines += ['export NNODES="$SLURM_JOB_NUM_NODES"',
                   'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
                   f'export MASTER_PORT="${{MASTER_PORT:-{master_port}}}"',

@@ -60,6 +60,15 @@ def test_the_node_that_failed_on_its_own_decides_not_the_one_stopped_after_it():
     assert combine_exits(recs)["node"] == "node2"  # a SIGKILL (the OOM killer) is a failure of its own, earlier
 
 
+def test_every_node_at_0_is_a_success_that_names_no_node():
+    raw = combine_exits({"node1": {"returncode": 0, "ended_at": 3.0, "node": "node1"},
+                         "node2": {"returncode": 0, "ended_at": 4.0, "node": "node2"}}, ["node1", "node2"])
+    assert raw["returncode"] == 0 and "node" not in raw and set(raw["nodes"]) == {"node1", "node2"}
+    ok = locate(Diagnosis(Category.SUCCESS, "Exited with status 0."), exit_node=None, rank_node=None,
+                node_ends=raw["nodes"])
+    assert ok.node is None and ok.summary == "Exited with status 0. Nodes: node1 exit 0; node2 exit 0."
+
+
 def test_a_node_without_a_record_is_not_a_success():
     raw = combine_exits({"node1": {"returncode": 0, "ended_at": 3.0}}, ["node1", "node2"])
     assert raw["returncode"] is None and raw["missing_nodes"] == ["node2"] and "node2" in raw["note"]
@@ -80,7 +89,7 @@ def test_a_rank_is_placed_on_its_node_and_a_node_failure_names_the_node_not_the_
     placed = locate(d, exit_node="node2", rank_node=node_of_rank(d.rank, 1, ["node1", "node2"]),
                     node_ends={"node1": {"returncode": -15, "signal": "SIGTERM"}, "node2": {"returncode": 1}})
     assert placed.node == "node2" and "On node node2 (rank 1)" in placed.summary, placed.summary
-    assert "node1 killed by SIGTERM; node2 exit 1" in placed.summary
+    assert "Nodes: node1 killed by SIGTERM; node2 exit 1." in placed.summary
     fail = Diagnosis(Category.ENVIRONMENT, "The scheduler reports NODE_FAIL.", subkind="node_fail",
                      numbers={"scheduler_state": "NODE_FAIL"},
                      evidence=(Evidence(0, "srun: got SIGCONT", "tail"), Evidence(0, "slurmstepd: ...", "tail")))
