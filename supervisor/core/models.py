@@ -80,6 +80,8 @@ class ExitRecord:
     # The shim's own word when the command could not be started at all (exec failed: missing
     # program or workdir, NUL in the environment). Structural: it was never the training.
     launch_error: str | None = None
+    # On several nodes: the node whose exit decided (each node's shim writes its own record).
+    node: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -155,6 +157,9 @@ class Diagnosis:
     # A stable identity of the failure (category + the normalised line that decided it), so the
     # policy can tell "the same crash again, no progress" from a new one.
     fingerprint: str | None = None
+    # The node it happened on, for an attempt that ran on several (its exit record, its rank,
+    # or the scheduler's word that the node failed).
+    node: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -169,6 +174,7 @@ class Diagnosis:
             "fragmentation": self.fragmentation,
             "strength": self.strength,
             "fingerprint": self.fingerprint,
+            "node": self.node,
         }
 
     @classmethod
@@ -185,6 +191,7 @@ class Diagnosis:
             fragmentation=bool(d.get("fragmentation", False)),
             strength=d.get("strength", "structural"),
             fingerprint=d.get("fingerprint"),
+            node=d.get("node"),
         )
 
 
@@ -307,6 +314,9 @@ class JobContext:
     nproc_per_node: int | None = None
     gpus: tuple[int, ...] | None = None
     visible_gpu_count: int | None = None
+    # Nodes the launch spans (a Slurm job with `nodes: N` runs one torchrun per node): the world
+    # is nodes x ranks per node, and the effective batch is kept across all of it.
+    nnodes: int = 1
     # One host-RAM budget for every remedy: the job's own limit when it has one, else the box's
     # RAM minus what other processes hold now (bytes) and the policy's reserve.
     host_memory_limit_bytes: int | None = None
@@ -316,14 +326,17 @@ class JobContext:
     gpu_memory_holders: tuple[str, ...] = ()
 
     def launched_world_size(self) -> int:
-        """Ranks per node the launch really runs: a remedy must never change it."""
+        """Ranks the launch really runs (ranks per node x nodes): a remedy must never change it."""
+        return self.ranks_per_node() * max(1, self.nnodes)
+
+    def ranks_per_node(self) -> int:
         if self.nproc_per_node:
             return self.nproc_per_node
         if self.gpus:
             return len(self.gpus)
         if self.visible_gpu_count:
             return self.visible_gpu_count
-        return max(1, self.world_size)
+        return max(1, self.world_size // max(1, self.nnodes))
 
     def host_budget_bytes(self, reserve: float = 0.1) -> int | None:
         """Host RAM this job may use: its limit if set, else RAM x (1 - reserve) - others' use."""

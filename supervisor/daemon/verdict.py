@@ -28,7 +28,9 @@ from supervisor.core.states import JobState
 from supervisor.daemon.facts import Facts
 from supervisor.daemon.follow import Active
 from supervisor.daemon.journal import Journal
+from supervisor.intake.llamafactory.launch import pinned_nproc
 from supervisor.judge.kinds import kind_of
+from supervisor.judge.nodes import locate, node_of_rank
 from supervisor.run import kernel_log, proctree
 from supervisor.run.diskfull import free_bytes
 from supervisor.run.fsutil import atomic_write_json, tail_text
@@ -50,10 +52,11 @@ class Verdicts:
         raw, stopped_by = self.exit_evidence(act)
         exit_rec = ExitRecord(returncode=raw.get("returncode"), signal=raw.get("signal"),
                               duration_s=raw.get("duration_s"), stopped_by=stopped_by,
-                              launch_error=raw.get("launch_error") or raw.get("error") or act.launch_failure)
+                              launch_error=raw.get("launch_error") or raw.get("error") or act.launch_failure,
+                              node=raw.get("node") if raw.get("nodes") else None)
         host = self.host_evidence(act, raw)
         try:
-            diagnosis = act.scanner.finish(exit_rec, host)
+            diagnosis = self.place(act, act.scanner.finish(exit_rec, host), raw)
         except Exception as exc:
             log.exception("diagnosis_failed", job=act.job_id)
             act.broken = act.broken or f"diagnosis failed: {exc!r}"
@@ -82,10 +85,12 @@ class Verdicts:
         with self.store.tx():
             self.store.update_attempt(act.job_id, act.number, **fields)
             self.record_telemetry(act, emergency, vram)
+            self.record_scheduler(act)
             self.journal.event(act.job_id, "attempt_ended",
                                f"attempt {act.number} ended: {exit_words(exit_rec)}; diagnosis {diagnosis.category}"
                                + (f"/{diagnosis.subkind}" if diagnosis.subkind else "") + f": {diagnosis.summary}",
-                               attempt=act.number, teardown_s=act.teardown_s)
+                               attempt=act.number, teardown_s=act.teardown_s, node=diagnosis.node,
+                               rank=diagnosis.rank, nodes=raw.get("nodes"))
             self.settle(act, stopped_by, decision)
         act.log.close()
         if decision is not None and this is not None:
@@ -93,10 +98,18 @@ class Verdicts:
         self.backend.cleanup(act.handle)
 
     def exit_evidence(self, act: Active) -> tuple[dict[str, Any], str | None]:
-        """The exit record's fields (the shim's, else the scheduler's) and why the attempt stopped."""
-        raw = proctree.read_exit(act.paths) or {}
-        stopped_by = act.stopped_by
+        """The exit record's fields (the shim's, every node's judged together, else the
+        scheduler's) and why the attempt stopped."""
         sched = self.backend.verdict(act.handle, act.paths, act.memory_limit)
+        nodes = (sched or {}).get("nodes") or []
+        raw = proctree.read_exit(act.paths, nodes if len(nodes) > 1 else None) or {}
+        stopped_by = act.stopped_by
+        if sched is not None and sched.get("lost"):
+            # The scheduler no longer knows the job and no shim wrote how it ended: as a local
+            # attempt that vanished with no exit record, it is interrupted, not charged.
+            if not raw and stopped_by is None:
+                stopped_by, act.interrupt_cause = "vanished", f"slurm lost: {sched['lost']}"
+            sched = None
         if sched is not None:
             if not raw or raw.get("returncode") is None:
                 raw = {**raw, **sched["exit"]}
@@ -109,6 +122,46 @@ class Verdicts:
                 and raw["ended_at"] < act.stop_sent_wall and raw.get("returncode") is not None):
             stopped_by = None  # it ended on its own just before our stop: judge it as such
         return raw, stopped_by
+
+    def place(self, act: Active, diagnosis: Diagnosis, raw: dict[str, Any]) -> Diagnosis:
+        """On several nodes: which node (and rank) it happened on; the scheduler's own words as
+        evidence where its state decided (never the log's last lines)."""
+        sched = act.scheduler or {}
+        nodes = sched.get("nodes") or []
+        if len(nodes) <= 1:
+            return locate(diagnosis, exit_node=None, rank_node=None, scheduler_words=sched.get("evidence") or ())
+        failed: list[str] = []
+        if sched.get("scheduler_state") in ("NODE_FAIL", "BOOT_FAIL"):
+            failed = [n for n in nodes if n in (sched.get("down_nodes") or {})] or list(raw.get("missing_nodes") or [])
+        return locate(diagnosis, exit_node=raw.get("node"), failed_nodes=failed,
+                      rank_node=node_of_rank(diagnosis.rank, self.ranks_per_node(act), nodes),
+                      scheduler_words=sched.get("evidence") or (), node_ends=raw.get("nodes"))
+
+    def ranks_per_node(self, act: Active) -> int | None:
+        """Ranks each node's launcher starts, where the attempt's launch says so (NPROC_PER_NODE,
+        or a LLaMA-Factory job's ranks per node); None for a command whose ranks we do not know."""
+        try:
+            env = json.loads(act.paths.environment.read_text()).get("env") or {}
+        except (OSError, ValueError):
+            env = {}
+        pinned = pinned_nproc(env)
+        if pinned or act.spec is None or act.spec.kind != "llamafactory":
+            return pinned
+        return self.backend.launch_fields(act.spec, None, env).get("nproc_per_node")
+
+    def record_scheduler(self, act: Active) -> None:
+        """The scheduler's verdict and the words it rests on, as an event (inside finish's tx)."""
+        sched = act.scheduler
+        if not sched:
+            return
+        words = list(sched.get("evidence") or [])
+        self.journal.event(act.job_id, "scheduler_verdict",
+                           f"attempt {act.number} ({act.handle.describe()}): " + "; ".join(words[:6])
+                           + (f"; the supervisor's stop ran: {'; '.join(sched['stop_commands'])}"
+                              if sched.get("stop_commands") else ""),
+                           attempt=act.number, state=sched.get("scheduler_state"), evidence=words,
+                           nodes=sched.get("nodes"), down_nodes=sched.get("down_nodes"),
+                           stop_commands=sched.get("stop_commands"))
 
     def record_telemetry(self, act: Active, emergency, vram) -> None:
         if emergency is not None:
@@ -146,9 +199,12 @@ class Verdicts:
         elif stopped_by in ("shutdown", "vanished"):
             cause = act.interrupt_cause if act.interrupt_cause.startswith("slurm") else (
                 "crash" if stopped_by == "vanished" else act.interrupt_cause)
-            self.store.update_attempt(act.job_id, act.number, interrupted=1,
-                                      decision=json.dumps({"kind": "interrupted", "cause": cause}))
-            why = (f"Slurm ended attempt {act.number} ({cause[6:]}): not a failure of the job"
+            lost = cause.startswith("slurm lost: ")
+            self.store.update_attempt(act.job_id, act.number, interrupted=1, decision=json.dumps(
+                {"kind": "interrupted", "cause": "slurm lost" if lost else cause}))
+            why = (f"attempt {act.number} left no exit record and {cause[len('slurm lost: '):]}: its end is "
+                   "unknown, not a failure of the job" if lost else
+                   f"Slurm ended attempt {act.number} ({cause[6:]}): not a failure of the job"
                    if cause.startswith("slurm") else "the supervisor stopped" if cause != "crash" else
                    f"attempt {act.number} vanished with the daemon (no exit record)")
             j.transition(act.job_id, JobState.INTERRUPTED, f"{why}; resumes from the last complete checkpoint")
@@ -303,4 +359,5 @@ def exit_words(e: ExitRecord) -> str:
     if e.returncode is None:
         return "exit status unknown"
     how = f"killed by {e.signal}" if e.signal else f"exit code {e.returncode}"
+    how += f" on node {e.node}" if e.node else ""
     return how + (f" (stopped by the supervisor: {e.stopped_by})" if e.stopped_by else "")

@@ -24,12 +24,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from supervisor import SOURCE_ROOT
-from supervisor.core.paths import AttemptPaths
 from supervisor.core.jobenv import inherited
+from supervisor.core.paths import AttemptPaths
+from supervisor.judge.nodes import combine_exits
+from supervisor.run import attemptdir
 from supervisor.run.fsutil import atomic_write_json
 from supervisor.run.identity import Identity
 from supervisor.run.limits import JobCgroup
@@ -192,9 +195,11 @@ def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[s
                  rlimits: dict[str, int] | None = None, cgroup: JobCgroup | None = None,
                  owner: Owner | None = None, max_log_bytes: int | None = None,
                  identity: Identity | None = None, require_identity: bool = False,
-                 exit_record: Path | None = None) -> Path:
+                 exit_record: Path | None = None, scheduler: bool = False) -> Path:
     """What the shim runs with (it is also what a Slurm job's shim reads; `exit_record` where that
-    shim, running as the job's user, may write it)."""
+    shim, running as the job's user, may write it). `scheduler`: the shim runs inside a scheduler's
+    job, on one node or several: it merges the scheduler's environment with the attempt's
+    (`shim.job_environment`) and each node writes its own exit record (`exit-<node>.json`)."""
     paths.root.mkdir(parents=True, exist_ok=True, mode=0o700)
     spec = {
         "argv": list(argv),
@@ -211,6 +216,8 @@ def write_launch(paths: AttemptPaths, *, argv: list[str], cwd: Path, env: dict[s
         "pidns_file": str(owner.pidns_file) if owner is not None and owner.pidns_file else None,
         "identity": identity.to_dict() if identity is not None else None,
         "require_identity": require_identity,
+        "scheduler_env": scheduler,
+        "exit_per_node": scheduler,
     }
     atomic_write_json(paths.launch, spec, mode=0o600)  # the environment may hold tokens
     return paths.launch
@@ -280,11 +287,33 @@ def _signal(procs: list[psutil.Process], sig: int) -> None:
             pass
 
 
-def read_exit(paths: AttemptPaths) -> dict | None:
+def read_exits(paths: AttemptPaths) -> dict[str, dict]:
+    """Every exit record of the attempt: {"": exit.json} (one shim), {node: exit-<node>.json}
+    (a shim per node of a scheduler's job); in the attempt folder, or in its user's folder where the
+    shim ran as the job's user (read as the job's own file: no link followed, bounded). An
+    unreadable one counts as not written."""
+    out: dict[str, dict] = {}
+    for folder, own in ((paths.root, True), (paths.user_dir, False)):
+        names = [folder / paths.exit_record.name, *sorted(folder.glob("exit-*.json"))]
+        for path in names:
+            rec = _read_json(path) if own else attemptdir.read_job_json(path)
+            if isinstance(rec, dict):
+                out.setdefault("" if path.name == paths.exit_record.name else path.name[len("exit-"):-len(".json")], rec)
+    return out
+
+
+def _read_json(path: Path) -> Any:
     try:
-        return json.loads(paths.exit_record.read_text())
-    except (FileNotFoundError, ValueError):
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
+
+
+def read_exit(paths: AttemptPaths, expected_nodes: list[str] | None = None) -> dict | None:
+    """The attempt's exit record: the shim's, or every node's judged together
+    (`supervisor.judge.nodes.combine_exits`: one node's failure never hides behind another's
+    success). None when nothing was written."""
+    return combine_exits(read_exits(paths), expected_nodes or ())
 
 
 def find_shim_by_launch_file(launch_file: Path) -> psutil.Process | None:

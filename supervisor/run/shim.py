@@ -54,6 +54,28 @@ EXIT_RESERVE_BYTES = 64 << 10
 INIT_COMM = "oomsv-init"  # the shim as PID 1 of the attempt's own PID namespace
 LINGER_COMM = "oomsv-exitwait"  # the shim's name while it waits for room to write the exit record
 STRAGGLER_GRACE_S = 5.0
+# What a scheduler gives the job and the attempt must never drop: its allocation (SLURM_*, the GPUs
+# it assigned on this node) and the multi-node rendezvous its batch script exports per node.
+ALLOCATION_PREFIXES = ("SLURM_", "SLURMD_")
+ALLOCATION_VARS = frozenset({"CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                             "GPU_DEVICE_ORDINAL", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"})
+SHIM_OWN_VARS = frozenset({"PYTHONPATH"})  # set for the shim itself (to import it), not for the job
+
+
+def job_environment(attempt_env: dict, scheduler_env: dict | None) -> dict:
+    """The command's environment. Locally: exactly the attempt's. Inside a scheduler's job, merged:
+    1. the scheduler's environment (what it set, and what the batch script exported) is the base;
+    2. the attempt's environment wins over it (its remedies, the job's own `env:`, its PYTHONPATH);
+    3. the scheduler's allocation wins over both (ALLOCATION_PREFIXES / ALLOCATION_VARS as the
+       scheduler set them: the job id, this node's rank, its GPUs, the rendezvous host and port).
+    A multi-node job also gets FORCE_TORCHRUN=1 where the batch script exported it (LLaMA-Factory
+    starts torchrun only then; an attempt that set it keeps its own value)."""
+    if scheduler_env is None:
+        return dict(attempt_env)
+    env = {k: v for k, v in scheduler_env.items() if k not in SHIM_OWN_VARS}
+    env.update(attempt_env)
+    env.update({k: v for k, v in scheduler_env.items() if k.startswith(ALLOCATION_PREFIXES) or k in ALLOCATION_VARS})
+    return env
 
 
 def _become_subreaper() -> None:
@@ -387,13 +409,34 @@ def _set_comm(name: str) -> None:
         pass
 
 
+def node_identity() -> tuple[str, int | None]:
+    """This node's name (Slurm's, else the host's), made safe for a file name, and its rank
+    among the job's nodes (SLURM_NODEID) when a scheduler runs us."""
+    name = os.environ.get("SLURMD_NODENAME") or socket.gethostname() or "node"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".")[:100] or "node"
+    try:
+        rank = int(os.environ["SLURM_NODEID"])
+    except (KeyError, ValueError):
+        rank = None
+    return safe, rank
+
+
+def exit_record_path(spec: dict, node: str) -> Path:
+    """exit.json; `exit-<node>.json` when every node of the attempt writes its own (a scheduler's
+    multi-node job: one node's failure must never be overwritten by another's success)."""
+    path = Path(spec["exit_record"])
+    return path.with_name(f"exit-{node}.json") if spec.get("exit_per_node") else path
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     if spec.get("pid_namespace"):
         outer = _enter_pid_namespace(spec.get("pidns_file"))
         if outer is not None:
             return outer
-    exit_record = ExitRecord(Path(spec["exit_record"]))
+    node, node_rank = node_identity()
+    exit_record = ExitRecord(exit_record_path(spec, node))
+    where = {"node": node, "node_rank": node_rank} if spec.get("exit_per_node") else {}
     _become_subreaper()
 
     # Someone signalling only the shim (a user, systemd): pass it on to the job,
@@ -413,13 +456,13 @@ def main(argv: list[str]) -> int:
     if refused is not None:
         os.write(log_fd, f"oom-supervisor: {refused}; nothing was started\n".encode())
         exit_record.write({"returncode": 126, "signal": None, "launch_error": refused,
-                           "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
+                           "started_at": started, "ended_at": time.time(), "duration_s": 0.0, **where})
         return 126
     try:
         pid, launch_error = _start_command(spec, log_fd)
     except OSError as exc:
         exit_record.write({"returncode": 127, "signal": None, "launch_error": f"fork failed: {exc}",
-                           "started_at": started, "ended_at": time.time(), "duration_s": 0.0})
+                           "started_at": started, "ended_at": time.time(), "duration_s": 0.0, **where})
         return 127
     command_pid = _proc_pid_of(pid)
     stop_cap = threading.Event()
@@ -434,7 +477,7 @@ def main(argv: list[str]) -> int:
     _stop_stragglers()
     os.close(log_fd)
     record = _exit_fields(status, launch_error, peak[0])
-    record.update(started_at=started, ended_at=ended, duration_s=round(ended - started, 3), pid=command_pid)
+    record.update(started_at=started, ended_at=ended, duration_s=round(ended - started, 3), pid=command_pid, **where)
     exit_record.write(record)
     code = record["returncode"]
     return 128 + (-code) if isinstance(code, int) and code < 0 else (code if code is not None else 1)
@@ -455,7 +498,8 @@ def _start_command(spec: dict, log_fd: int) -> tuple[int, bytes]:
             _preexec(spec)  # limits and cgroups need the privilege: before the drop
             _drop_privileges(spec.get("identity"))
             os.chdir(spec["cwd"])  # as the user: their permissions decide
-            os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
+            os.execvpe(spec["argv"][0], spec["argv"],
+                       job_environment(spec["env"], dict(os.environ) if spec.get("scheduler_env") else None))
         except BaseException as exc:  # exec failed: say so in the log, exit like a shell would
             try:
                 msg = f"cannot start {spec['argv'][0]!r} in {spec.get('cwd')!r}: {exc}"

@@ -19,11 +19,16 @@ API (what the attempt runner calls; every Slurm command runs with a timeout, non
   ``POLL_INTERVAL_S`` so a loop polling many attempts costs one RPC per interval.
 - ``find_by_name(job_name) -> dict[str, SlurmJobState]``: before resubmitting after a submit
   that raised SlurmUnavailable (the job may exist although sbatch's answer was lost).
-- ``cancel(job_id, *, hard)``: soft sends SIGTERM to the batch process (the exec'd launcher,
-  which forwards to its workers) and leaves the waiting to the caller; hard is ``scancel``
-  (SIGTERM, KillWait, SIGKILL to the whole job cgroup) or, with ``kill_now=True``, SIGKILL at once.
+- ``cancel(job_id, *, hard, kill_now, steps_only) -> commands``: soft sends SIGTERM to the shims
+  (the exec'd batch process on one node; the srun step's tasks on several, never srun itself);
+  hard is ``scancel`` (SIGTERM, KillWait, SIGKILL); ``kill_now`` is ``kill_at_once``: SIGKILL to
+  every step then the batch step, which is the only thing that kills at once (a job-level
+  ``scancel --signal=KILL --full`` waits KillWait too).
 - ``same_run(recorded, now) -> bool``: see its docstring (a job id alone is not proof).
-- ``verdict(state, log_tail, *, requested_mem_bytes=None) -> dict``: diagnosis evidence:
+- ``node_states(nodes)`` / ``down_nodes(states)``: which of a job's nodes Slurm holds as failed (a
+  NODE_FAIL names them); ``kill_wait_s()``: the cluster's KillWait.
+- ``verdict(state, log_tail, *, requested_mem_bytes=None, killed_by_supervisor=False) -> dict``:
+  diagnosis evidence:
   ``exit`` (ExitRecord fields), ``host`` (HostEvidence fields), ``scheduler_state``,
   ``interrupted`` (NODE_FAIL, PREEMPTED, BOOT_FAIL: resume, no budget), ``timeout``, ``cancelled``,
   ``evidence`` (the log lines it rests on); ``records(v)`` -> (ExitRecord, HostEvidence).
@@ -37,10 +42,12 @@ unwarned, while the shim forwards SIGTERM to every descendant and writes exit.js
 Seen here: while a killed job is COMPLETING (up to KillWait, 30 s) slurmctld starts no other job
 on the node, so the attempt after a hard cancel may wait that long in PENDING.
 
-Multi-node (nodes > 1) is only reasoned, never run here (one node): the batch script ``exec``s
-``srun --ntasks-per-node=1`` so each node runs one launcher with LLaMA-Factory's own variables
-(``NNODES``, ``NODE_RANK`` = ``SLURM_NODEID``, ``MASTER_ADDR`` = first host of
-``scontrol show hostnames $SLURM_JOB_NODELIST``, ``MASTER_PORT``, ``FORCE_TORCHRUN=1``).
+Multi-node (nodes > 1), run on scripts/slurm2.sh (two slurmd in network namespaces): the batch
+script ``exec``s ``srun --ntasks-per-node=1`` so each node runs one shim with LLaMA-Factory's own
+variables (``NNODES``, ``NODE_RANK`` = ``SLURM_NODEID``, ``MASTER_ADDR`` = first host of
+``scontrol show hostnames $SLURM_JOB_NODELIST``, ``MASTER_PORT``, ``FORCE_TORCHRUN=1``); the shim
+merges them and Slurm's allocation into the attempt's environment (``shim.job_environment``) and
+writes ``exit-<node>.json``, judged together by ``supervisor.judge.nodes``.
 Measured behaviour behind each choice: ../shared/docs/slurm.md.
 """
 
@@ -104,6 +111,7 @@ class SlurmSubmission:
     submitted_at: float
     script: Path
     job_name: str | None = None
+    nodes: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -169,7 +177,7 @@ def batch_script(argv: list[str], *, launcher_prefix: list[str], nodes: int,
     if nodes <= 1:
         lines.append(f"exec {cmd}")
     else:
-        # Reasoned, not run here (single node): LLaMA-Factory's multi-node variables per task.
+        # LLaMA-Factory's multi-node variables per task (run on scripts/slurm2.sh's two nodes).
         lines += ['export NNODES="$SLURM_JOB_NUM_NODES"',
                   'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
                   f'export MASTER_PORT="${{MASTER_PORT:-{master_port}}}"',
@@ -246,7 +254,7 @@ def submit(attempt_dir: Path, log: Path, argv: list[str], cwd: Path, env: dict[s
     job_id = res.stdout.strip().split(";", 1)[0]
     if not job_id.isdigit():
         raise SlurmError(f"sbatch printed no job id: {res.stdout.strip()[:200]!r} {res.stderr.strip()[:500]}")
-    return SlurmSubmission(job_id=job_id, submitted_at=submitted_at, script=script, job_name=job_name)
+    return SlurmSubmission(job_id=job_id, submitted_at=submitted_at, script=script, job_name=job_name, nodes=nodes)
 
 
 # ---------------------------------------------------------------- query
@@ -417,21 +425,81 @@ def find_by_name(job_name: str, *, timeout_s: float = CMD_TIMEOUT_S) -> dict[str
 
 # ---------------------------------------------------------------- cancel
 
-def cancel(job_id: str, *, hard: bool, kill_now: bool = False, timeout_s: float = CMD_TIMEOUT_S) -> None:
-    """Soft: SIGTERM to the batch process (our exec'd launcher; --full also reaches the batch
-    step's other processes), the caller waits and escalates. Hard: scancel (SIGTERM, then SIGKILL
-    of the job cgroup after KillWait); kill_now: SIGKILL everything at once."""
-    if not hard:
-        argv = ["scancel", "--signal=TERM", "--full", str(job_id)]
-    elif kill_now:
-        argv = ["scancel", "--signal=KILL", "--full", str(job_id)]
-    else:
-        argv = ["scancel", str(job_id)]
+def cancel(job_id: str, *, hard: bool, kill_now: bool = False, steps_only: bool = False,
+           timeout_s: float = CMD_TIMEOUT_S) -> list[str]:
+    """Soft: SIGTERM to the shims, which forward it to their workers; the caller waits and
+    escalates. One node: the batch step is the exec'd shim (--full). Several (`steps_only`): the
+    srun step's tasks on every node, never the batch step: there it is srun, and srun answers a
+    SIGTERM by cancelling the whole job ("forcing job termination": every node's tasks SIGKILLed
+    at once, no time to save; seen on scripts/slurm2.sh). Hard: `scancel` (SIGTERM, then SIGKILL
+    of the job cgroup after KillWait). kill_now: SIGKILL at once (`kill_at_once`). Returns the
+    commands run, for the record."""
+    if kill_now:
+        return kill_at_once(job_id, timeout_s=timeout_s)
+    soft = ["scancel", "--signal=TERM", str(job_id)] if steps_only else ["scancel", "--signal=TERM", "--full", str(job_id)]
+    argv = soft if not hard else ["scancel", str(job_id)]
+    _scancel(argv, timeout_s)
+    return [shlex.join(argv)]
+
+
+def kill_at_once(job_id: str, *, timeout_s: float = CMD_TIMEOUT_S) -> list[str]:
+    """SIGKILL every process of the job now, on every node.
+
+    Measured (scripts/slurm2.sh, KillWait 30): every job-level cancel, `scancel --signal=KILL
+    --full J` included, is SIGCONT+SIGTERM then SIGKILL only after KillWait (29.8-30.9 s). What
+    kills at once (0.04-0.15 s) is signalling the steps: `scancel --signal=KILL J.S` for each srun
+    step, then `scancel --signal=KILL --batch J` for the batch step (its whole cgroup, background
+    and setsid processes included); in that order, since once the job is ending step signals are
+    refused. The price: Slurm then records FAILED/JobLaunchFailure 0:9 (or, for steps alone,
+    COMPLETED with DerivedExitCode 0:9), so the caller must remember that the kill was its own
+    (`verdict(..., killed_by_supervisor=True)`)."""
+    res = _run(["squeue", "-h", "-s", "-j", str(job_id), "-o", "%i"], ok_codes=(0, 1), timeout=timeout_s)
+    steps = [s.strip() for s in res.stdout.split() if re.fullmatch(rf"{re.escape(str(job_id))}\.\d+", s.strip())]
+    done = []
+    for step in steps:
+        argv = ["scancel", "--signal=KILL", step]
+        _scancel(argv, timeout_s)
+        done.append(shlex.join(argv))
+    argv = ["scancel", "--signal=KILL", "--batch", str(job_id)]
+    _scancel(argv, timeout_s)
+    return [*done, shlex.join(argv)]
+
+
+def _scancel(argv: list[str], timeout_s: float) -> None:
     res = _run(argv, ok_codes=(0, 1), timeout=timeout_s)
-    # An already finished job is not an error for a cancel: the job is gone either way.
+    # An already finished job (or step) is not an error for a cancel: it is gone either way.
     if res.returncode != 0 and "already completing or completed" not in res.stderr \
-            and "Invalid job id" not in res.stderr:
+            and "Invalid job id" not in res.stderr and "Job/step already completing" not in res.stderr:
         raise SlurmError(f"{shlex.join(argv)}: {res.stderr.strip()[:2000]}")
+
+
+def kill_wait_s(*, timeout_s: float = CMD_TIMEOUT_S) -> float | None:
+    """The cluster's KillWait (seconds between a job cancel's SIGTERM and its SIGKILL)."""
+    res = _run(["scontrol", "show", "config"], ok_codes=(0, 1), timeout=timeout_s)
+    m = re.search(r"^KillWait\s*=\s*(\d+)", res.stdout, re.M)
+    return float(m.group(1)) if m else None
+
+
+def node_states(nodes: list[str], *, timeout_s: float = CMD_TIMEOUT_S) -> dict[str, tuple[str, str | None]]:
+    """{node: (State, Reason)} as slurmctld sees them now (`scontrol show node`)."""
+    if not nodes:
+        return {}
+    res = _run(["scontrol", "show", "node", ",".join(nodes), "--oneliner"], ok_codes=(0, 1), timeout=timeout_s)
+    out: dict[str, tuple[str, str | None]] = {}
+    for ln in res.stdout.splitlines():
+        kv = parse_keyvalues(ln)
+        if "NodeName" in kv:
+            out[kv["NodeName"]] = (kv.get("State", ""), _null(kv.get("Reason")))
+    return out
+
+
+def down_nodes(states: Mapping[str, tuple[str, str | None]]) -> dict[str, str]:
+    """Of `node_states`, the nodes Slurm holds as failed: DOWN, FAIL, or not responding ('*')."""
+    out = {}
+    for node, (state, reason) in states.items():
+        if re.search(r"DOWN|FAIL|NOT_RESPONDING|\*", state):
+            out[node] = f"{node}: {state}" + (f" Reason={reason}" if reason else "")
+    return out
 
 
 # ---------------------------------------------------------------- same run?
@@ -487,14 +555,18 @@ def _signame(n: int) -> str:
         return f"SIG{n}"
 
 
-def verdict(state: SlurmJobState, log_tail: str, *, requested_mem_bytes: int | None = None) -> dict[str, Any]:
+def verdict(state: SlurmJobState, log_tail: str, *, requested_mem_bytes: int | None = None,
+            killed_by_supervisor: bool = False) -> dict[str, Any]:
     """Slurm's verdict as diagnosis evidence (fields of ExitRecord and HostEvidence).
 
     OOM: OUT_OF_MEMORY, ExitCode or DerivedExitCode ...:125, or the step's "Detected N
     oom-kill event(s)" line; also when the batch script exited 0 (an OOM inside an srun step
     the script did not propagate). Then the exit is reported as the cgroup killer's SIGKILL,
     since a 0 would read as success. NODE_FAIL/PREEMPTED/BOOT_FAIL are interruptions (resume).
-    `records(verdict(...))` gives the ExitRecord and HostEvidence the classifier takes."""
+    `records(verdict(...))` gives the ExitRecord and HostEvidence the classifier takes.
+    killed_by_supervisor: the daemon SIGKILLed the job's steps itself (`kill_at_once`): Slurm's
+    FAILED/JobLaunchFailure 0:9 (or COMPLETED with DerivedExitCode 0:9) is that kill, never the
+    trainer's outcome: the exit is reported as our SIGKILL and the evidence says so."""
     evidence: list[str] = []
     kills = 0
     for ln in log_tail.splitlines():
@@ -507,7 +579,7 @@ def verdict(state: SlurmJobState, log_tail: str, *, requested_mem_bytes: int | N
     if oom and kills == 0:
         kills = 1  # Slurm's own word: one step at least was OOM-killed in the cgroup
     code, sig = state.exit_code, state.signal
-    if oom:
+    if oom or killed_by_supervisor:
         returncode, signame = -signal.SIGKILL, "SIGKILL"
     elif sig:
         returncode, signame = -sig, _signame(sig)
@@ -521,6 +593,9 @@ def verdict(state: SlurmJobState, log_tail: str, *, requested_mem_bytes: int | N
     if state.reason:
         words += f" Reason={state.reason}"
     evidence.insert(0, words)
+    if killed_by_supervisor:
+        evidence.insert(1, "the supervisor SIGKILLed the job's steps itself (scancel --signal=KILL per step, "
+                           f"then --batch): Slurm's {state.state} is that kill, not the training's outcome")
     for ln in log_tail.splitlines():
         if re.search(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ CANCELLED AT", ln):
             evidence.append(ln.strip())

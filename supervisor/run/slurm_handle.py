@@ -18,7 +18,10 @@ from typing import Any
 from supervisor.run import slurm
 from supervisor.service.logsetup import log
 
-KILL_AFTER_S = 60.0  # after a hard scancel, SIGKILL at once if the job still is not gone
+# After the SIGKILL at once (every step, then the batch step), a job-level `scancel` if the job is
+# still not gone this much later (a step started between our listing and our kill): Slurm's own
+# SIGKILL then follows after its KillWait.
+FALLBACK_CANCEL_AFTER_S = 10.0
 
 
 @dataclass
@@ -35,6 +38,7 @@ class SlurmHandle:
     cgroup: Any = None
     owner: Any = None
     cancels: list[str] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)  # the scancel commands run, for the record
 
     # --- what Slurm says ----------------------------------------------------------------------
     def refresh(self, *, force: bool = False) -> slurm.SlurmJobState | None:
@@ -43,7 +47,9 @@ class SlurmHandle:
             return self.state
         self.last_refresh = now
         try:
-            seen = slurm.query_many([self.job_id]).get(self.job_id)
+            # While we stop it, ask scontrol itself (the shared squeue answer may be 5 s old): the
+            # job's end releases the attempt as soon as Slurm knows it.
+            seen = None if self.cancels else slurm.query_many([self.job_id]).get(self.job_id)
             if seen is None or seen.terminal or force:
                 seen = slurm.query(self.job_id)  # exit codes, or the jobcomp file once forgotten
                 self.lost = seen is None
@@ -86,21 +92,27 @@ class SlurmHandle:
         return 0
 
     def signal_all(self, _sig: int) -> None:
-        """SIGTERM to the batch process (the shim, which forwards it to every worker)."""
+        """SIGTERM to every step and the batch process (the shims, which forward it to every worker)."""
         self._cancel(hard=False)
 
     def kill_all(self, shim_too: bool = False) -> None:
-        self._cancel(hard=True, kill_now=shim_too)
+        """SIGKILL every process of the job now, on every node (`slurm.kill_at_once`)."""
+        self._cancel(hard=True, kill_now=True)
 
     def force_stop(self, overdue_s: float) -> bool:
-        """Past the stop deadline: scancel (Slurm's TERM, KillWait, then SIGKILL of the job's
-        cgroup); if the job is still not gone a minute later, SIGKILL at once."""
-        if not self.cancels or self.cancels == ["term"]:
+        """Past the stop deadline: SIGKILL at once, as locally (a job-level scancel would wait
+        KillWait, 30 s here, before its SIGKILL); if the job is still there 10 s later, a
+        job-level scancel as well."""
+        if "kill" not in self.cancels:
             self.kill_all()
             return True
-        if overdue_s > KILL_AFTER_S and "kill" not in self.cancels:
-            self.kill_all(shim_too=True)
+        if overdue_s > FALLBACK_CANCEL_AFTER_S and "hard" not in self.cancels:
+            self._cancel(hard=True)
         return False
+
+    @property
+    def killed_by_supervisor(self) -> bool:
+        return "kill" in self.cancels
 
     def waiting(self) -> bool:
         """In Slurm's queue (or not yet seen): silence then is not a hang."""
@@ -114,7 +126,8 @@ class SlurmHandle:
 
     def _cancel(self, *, hard: bool, kill_now: bool = False) -> None:
         try:
-            slurm.cancel(self.job_id, hard=hard, kill_now=kill_now)
+            self.commands += slurm.cancel(self.job_id, hard=hard, kill_now=kill_now,
+                                          steps_only=int(self.record.get("nodes") or 1) > 1)
             self.cancels.append("kill" if kill_now else "hard" if hard else "term")
         except slurm.SlurmError as exc:
             log.warning("slurm_cancel_failed", job=self.job_id, error=str(exc)[:300])

@@ -7,6 +7,7 @@ fails instead, so CI never silently loses these tests.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -81,3 +82,42 @@ def go(tmp_path: Path, argv: list[str], name: str = "t", *, request=None, settin
 
 def py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
+
+
+def cluster_up(script: str) -> tuple[str | None, str]:
+    """Run `scripts/<script> up`; (its last line, why it failed or "")."""
+    try:
+        res = subprocess.run(["bash", str(REPO / "scripts" / script), "up"], check=False, capture_output=True,
+                             text=True, timeout=300)
+        lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+        if res.returncode == 0 and lines:
+            return lines[-1], ""
+        return None, f"scripts/{script} up exited {res.returncode}: {(res.stderr or res.stdout).strip()[-1500:]}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"scripts/{script} up could not run: {e}"
+
+
+@pytest.fixture(scope="module")
+def slurm2():
+    """The two-node cluster of scripts/slurm2.sh (node1, node2, each in its own network namespace)
+    for one test module: SLURM_CONF and its client wrappers first on PATH while the module runs,
+    then the single-node cluster's settings again. Skips where it cannot start; fails on CI."""
+    line, why = cluster_up("slurm2.sh")
+    m = re.match(r"^export SLURM_CONF=(\S+) PATH=(\S+):\$PATH$", line or "")
+    if m is None:
+        why = why or f"scripts/slurm2.sh up printed no export line: {line!r}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the multi-node Slurm tests (two slurmd in network namespaces, root "
+                        f"needed): {why}")
+        pytest.skip(f"no two-node Slurm: {why}")
+    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PATH")}
+    os.environ["SLURM_CONF"] = m.group(1)
+    os.environ["PATH"] = f"{m.group(2)}{os.pathsep}{saved['PATH']}"
+    try:
+        yield m.group(1)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -244,8 +244,8 @@ def test_query_many_one_squeue_serves_every_handle(slurm, tmp_path):
 
 
 def test_multinode_script_runs_one_task_per_node_with_llamafactory_names(slurm, tmp_path):
-    """Multi-node itself is only reasoned (one node here); the script's srun wiring is run for
-    real on a one-node allocation: NNODES=1, NODE_RANK=0, MASTER_ADDR = the first host."""
+    """The script's srun wiring on a one-node allocation: NNODES=1, NODE_RANK=0, MASTER_ADDR = the
+    first host (two nodes for real: test_slurm_multinode.py on scripts/slurm2.sh)."""
     att = tmp_path / "multi"
     att.mkdir()
     log = att / "train.log"

@@ -4,7 +4,8 @@ Root-cause order (documented here, tested in tests/diagnosis):
   1. The supervisor's own stops: `cancel`/`shutdown` are not failures (unknown);
      returncode 0 is success (an OOM the program retried is mentioned).
   2. The command never started (launch_error, or exit 127 + the shim's line): config_error.
-     A scheduler's TIMEOUT/PREEMPTED/CANCELLED (unknown) or NODE_FAIL (environment) decides.
+     A scheduler's TIMEOUT/PREEMPTED/CANCELLED (unknown) or NODE_FAIL (environment) decides;
+     CANCELLED not when the supervisor stopped it itself (fatal line, hang, ...: its own scancel).
   3. Among the log's STRUCTURAL findings (an exception ending a traceback, cut or not; a C++
      terminate/what() block; a runtime's abort line; a fault line when the process then aborted;
      the final error of the log, teardown.py):
@@ -86,6 +87,7 @@ _PHASE_ORDER = (Phase.CHECKPOINT_LOAD, Phase.CHECKPOINT_SAVE, Phase.EVALUATION, 
 
 _SUPERVISOR_STOPS = ("cancel", "shutdown")
 _OWN_KILLS = ("fatal_signal", "hang")
+_OWN_STOPS = (*_OWN_KILLS, "internal_error", "memory_limit", "orphaned")  # the supervisor's scancel, not someone's
 
 _SUBKIND_WORDS = {
     "allocator": "PyTorch caching allocator",
@@ -516,6 +518,8 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
     if launch is not None:
         return launch
     sched = host.scheduler_state if host is not None else None
+    if sched == "CANCELLED" and stopped_by in _OWN_STOPS:
+        sched = None  # the supervisor's own stop (fatal line, hang, ...) cancelled it: the log decides
     if sched in _SCHEDULER_VERDICTS:
         category, subkind, words = _SCHEDULER_VERDICTS[sched]
         return dataclasses.replace(_plain(category, subkind, f"The scheduler reports {sched}: {words}."

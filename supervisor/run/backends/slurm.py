@@ -16,7 +16,9 @@ from typing import Any
 
 from supervisor.core.paths import AttemptPaths
 from supervisor.intake.jobspec import JobSpec
+from supervisor.intake.llamafactory.launch import pinned_nproc
 from supervisor.intake.slurm_request import SlurmJobRequest
+from supervisor.judge.nodes import expand_nodelist
 from supervisor.run import attemptdir, proctree, slurm
 from supervisor.run.backends.base import Launched, Reservation
 from supervisor.run.fsutil import tail_text
@@ -56,10 +58,13 @@ class SlurmBackend:
         return self.request(spec).world_size(self.settings)
 
     def launch_fields(self, spec: JobSpec, gpus: list[int] | None, env: dict[str, str]) -> dict[str, Any]:
-        """GPUs per node from the job's request or the site's default."""
+        """Ranks per node (the job's pinned count, else its GPUs per node) and the nodes: the
+        world the policy keeps the effective batch across is nodes x ranks per node."""
         req = self.request(spec)
         gpn = req.gpus_per_node if req.gpus_per_node is not None else self.settings.gpus_per_node
-        return {"nproc_per_node": max(1, gpn), "gpus": None, "visible_gpu_count": gpn}
+        nproc = spec.sup.nproc_per_node or pinned_nproc(env) or max(1, gpn)
+        return {"nproc_per_node": nproc, "gpus": None, "visible_gpu_count": gpn,
+                "nnodes": req.nodes or self.settings.nodes}
 
     # --- one attempt --------------------------------------------------------------------------------
     def reserve(self, tag: str, paths: AttemptPaths, memory_limit: int | None) -> Reservation:
@@ -70,12 +75,14 @@ class SlurmBackend:
 
     def launch(self, res: Reservation, paths: AttemptPaths, *, argv: list[str], cwd: Path,
                env: dict[str, str], spec: JobSpec, identity: Any = None) -> Launched:
-        """One attempt = one sbatch job running the launch shim (exit.json, SIGTERM to every worker).
+        """One attempt = one sbatch job running the launch shim (exit records, SIGTERM to every worker).
         A shared box submits it as its user (sbatch --uid/--gid): the shim in the job is then that
-        user, reads launch.json as them and writes the exit record into the job's own folder."""
+        user, reads launch.json as them and writes the exit records into the job's own folder.
+        scheduler=True: the shim merges Slurm's environment (its allocation, the batch script's
+        rendezvous) with the attempt's, and each node writes its own exit record."""
         run_as = (identity.uid, identity.gid) if identity is not None and identity.uid != os.geteuid() else None
         proctree.write_launch(paths, argv=argv, cwd=cwd, env=env, max_log_bytes=self.max_log_bytes,
-                              exit_record=paths.user_dir / "exit.json" if run_as else None)
+                              exit_record=paths.user_dir / "exit.json" if run_as else None, scheduler=True)
         if run_as:
             attemptdir.give(paths.launch, identity)
             paths.log.touch(mode=0o600)
@@ -98,16 +105,29 @@ class SlurmBackend:
         return SlurmHandle(str(ref["slurm"]["job_id"]), dict(ref["slurm"]))
 
     def verdict(self, handle: Any, paths: AttemptPaths, memory_limit: int | None) -> dict[str, Any] | None:
+        """Slurm's verdict (`slurm.verdict`) plus the job's nodes and those Slurm holds as failed;
+        `{"lost": ...}` when neither scontrol nor the jobcomp file knows the job any more."""
         if not isinstance(handle, SlurmHandle):
             return None
         st = handle.refresh(force=True)
         if st is None:
+            if handle.lost:
+                return {"lost": f"neither scontrol nor the jobcomp file knows Slurm job {handle.job_id} any more "
+                                "(the controller lost it, or forgot it long ago)"}
             return None
-        sched = slurm.verdict(st, tail_text(paths.log, 64 << 10), requested_mem_bytes=memory_limit)
-        shim = attemptdir.read_job_json(paths.user_dir / "exit.json")  # a shared box: the user's shim wrote it
-        if isinstance(shim, dict) and not paths.exit_record.exists():
-            sched["exit"] = {**sched["exit"], **{k: v for k, v in shim.items() if v is not None}}
-        return sched
+        v = slurm.verdict(st, tail_text(paths.log, 64 << 10), requested_mem_bytes=memory_limit,
+                          killed_by_supervisor=handle.killed_by_supervisor)
+        v["nodes"] = expand_nodelist(st.node_list)
+        v["down_nodes"] = {}
+        if len(v["nodes"]) > 1 or v["interrupted"]:
+            try:
+                v["down_nodes"] = slurm.down_nodes(slurm.node_states(v["nodes"]))
+            except slurm.SlurmError as exc:
+                v["evidence"].append(f"node states unavailable: {str(exc)[:200]}")
+            v["evidence"] += list(v["down_nodes"].values())
+        if handle.commands:
+            v["stop_commands"] = list(handle.commands)
+        return v  # the shims' own records (the user's folder on a shared box): proctree.read_exits
 
     def telemetry(self, handle: Any, gpus: list[int] | None) -> None:
         return None  # no access to the nodes' GPUs from here
