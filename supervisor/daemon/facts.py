@@ -246,12 +246,16 @@ class Facts:
         resume = None
         output_dir = kind.output_dir(spec) if kind.resumes else None
         if output_dir is not None:
-            from supervisor.run.checkpoints import scan_output_dir
+            from supervisor.judge.user_resume import user_value
+            from supervisor.run.checkpoints import inspect_path, scan_output_dir
 
             prev = self.store.last_attempt(job.id)
+            asked = user_value(spec.config)
+            user = (inspect_path(spec.resolve(asked), output_dir)
+                    if asked is not None and asked not in ("true", "false", "auto") else None)
             resume = ResumeFacts(scan=scan_output_dir(output_dir, expected_world_size=world),
                                  prev_overrides=Overrides.from_dict(prev.json("overrides")) if prev else None,
-                                 transformers_version=self.versions(spec).get("transformers"))
+                                 transformers_version=self.versions(spec).get("transformers"), user=user)
         return JobFacts(
             job_id=job.id, number=number, spec=spec, policy=policy, policy_error=policy_error,
             escalation=escalation, learned=learned, crash_interruptions=self.crash_interruptions(job.id),

@@ -29,7 +29,8 @@ from supervisor.judge.policy.render import (
     render_attempt,
 )
 from supervisor.judge.policy.schema import Policy
-from supervisor.judge.resume import Incomplete, ResumePlan, Scan, plan_resume, run_shape
+from supervisor.judge.resume import ARCHIVE_DIR, Fixup, Incomplete, ResumePlan, Scan, plan_resume, run_shape
+from supervisor.judge.user_resume import UserCheckpoint, choose_checkpoint, user_value
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ResumeFacts:
     scan: Scan  # the output folder as it is now
     prev_overrides: Overrides | None  # what the attempt that wrote the newest checkpoint ran with
     transformers_version: str | None  # of the job's own environment
+    user: UserCheckpoint | None = None  # what is at the job's own resume_from_checkpoint path, if any
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,8 @@ def plan_attempt(facts: JobFacts) -> Refuse | AttemptPlan:
         if isinstance(planned, Refuse):
             return planned
         resume = planned
+        if resume.user_note:
+            before.append(PlannedEvent("resume_choice", resume.user_note))
         if resume.checkpoint is not None or resume.mode != "fresh":
             before.append(PlannedEvent("resume_plan", resume.reason,
                                        {"mode": resume.mode, "semantic_change": resume.semantic_change}))
@@ -194,20 +198,32 @@ def plan_the_resume(facts: JobFacts, overrides: Overrides) -> Refuse | ResumePla
         return Refuse(f"cannot plan the resume: {facts.policy_error}")
     r = facts.resume
     spec = facts.spec
+    output_dir = kind_of(spec).output_dir(spec)
+    choice = choose_checkpoint(user_value(spec.config), scan=r.scan, user=r.user,
+                               first_attempt=facts.number == 1, output_dir=output_dir)
+    if choice.refuse:
+        return Refuse(choice.refuse)
     try:
         nxt = run_shape({**spec.config, **overrides.yaml}, world_size=facts.world_size,
                         deepspeed_cfg=deepspeed_of(overrides, facts.job_deepspeed))
         prev = (run_shape({**spec.config, **r.prev_overrides.yaml}, world_size=facts.world_size,
                           deepspeed_cfg=deepspeed_of(r.prev_overrides, facts.job_deepspeed))
                 if r.prev_overrides is not None else None)
-        plan = plan_resume(r.scan.latest, prev=prev, nxt=nxt, transformers_version=r.transformers_version,
+        plan = plan_resume(choice.checkpoint, prev=prev, nxt=nxt, transformers_version=r.transformers_version,
                            allow_weights_only=facts.policy.allow_weights_only,
                            allow_universal=facts.policy.allow_universal_checkpoint,
-                           archive_name=f"attempt-{facts.number}")
+                           archive_name=f"attempt-{facts.number}", output_dir=output_dir)
     except Exception as exc:
         return Refuse(f"cannot plan the resume: {exc}")
     if plan.mode == "refuse":
         return Refuse(plan.reason)
+    if choice.archive_above is not None and output_dir is not None:
+        above = None if choice.archive_above < 0 else choice.archive_above
+        name = f"attempt-{facts.number}-" + ("before-this-job" if above is None else f"newer-than-step-{above}")
+        plan = dataclasses.replace(plan, fixups=(Fixup("archive_checkpoints", output_dir, value=above,
+                                                       target=output_dir / ARCHIVE_DIR / name), *plan.fixups))
+    if choice.note:
+        plan = dataclasses.replace(plan, user_note=choice.note)
     return plan
 
 

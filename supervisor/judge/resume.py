@@ -95,7 +95,8 @@ class Fixup:
     * `patch_train_batch_size`: set trainer_state.json `train_batch_size` to `value`, keeping the
       original as `backup` (only the first backup is kept, so repeating is harmless);
     * `archive_checkpoints`: move every `checkpoint-N` folder of `path` (the output dir) into
-      `target`, so LLaMA-Factory cannot auto-resume from one;
+      `target`, so LLaMA-Factory cannot auto-resume from one; with `value` (a step), only those
+      newer than that step (and no final weights);
     * `ds_to_universal`: run DeepSpeed's converter on `path`'s `ds_tag` into `target` and write
       `latest_universal` next to it.
     """
@@ -110,6 +111,8 @@ class Fixup:
         if self.kind == "patch_train_batch_size":
             return f"set train_batch_size={self.value} in {self.path} (original kept as {self.backup})"
         if self.kind == "archive_checkpoints":
+            if self.value is not None:
+                return f"move the checkpoint-N of {self.path} newer than step {self.value} into {self.target}"
             return f"move every checkpoint-N of {self.path} into {self.target}"
         if self.kind == "ds_to_universal":
             return f"convert {self.path}/{self.value} to a universal checkpoint in {self.target}"
@@ -135,6 +138,7 @@ class ResumePlan:
     semantic_change: str | None = None
     deepspeed: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    user_note: str | None = None  # how the job's own resume_from_checkpoint was read (judge.user_resume)
 
 
 # Must hold for every plan: an explicit resume path (never auto-resume), and the output dir kept
@@ -202,6 +206,7 @@ def plan_resume(
     allow_weights_only: bool = False,
     allow_universal: bool = False,
     archive_name: str | None = None,
+    output_dir: Path | None = None,
 ) -> ResumePlan:
     """Decide, before launch, how the next attempt (shape `nxt`) continues from `ckpt`.
 
@@ -210,17 +215,20 @@ def plan_resume(
     default never continues weights-only: that needs `allow_weights_only` and is always reported
     in `semantic_change`. `archive_name` names the folder (under .supervisor-archive/) that
     superseded checkpoints move to when the plan sets them aside; pass something unique per
-    attempt (default: derived from the step).
+    attempt (default: derived from the step). `output_dir` is the folder whose checkpoints are
+    set aside (default: the checkpoint's own folder; it differs when the user named a checkpoint
+    of another run).
     """
     if ckpt is None:
         return ResumePlan("fresh", None, {"resume_from_checkpoint": None, "overwrite_output_dir": False},
                           "no complete checkpoint: start from step 0", notes=RENDERER_NOTES)
     archive_name = archive_name or f"superseded-at-step-{ckpt.step}"
+    out = output_dir or ckpt.path.parent
     if prev is not None and prev.finetuning_type != nxt.finetuning_type:
-        return _restart(ckpt, f"finetuning_type changed ({prev.finetuning_type} -> {nxt.finetuning_type}):"
+        return _restart(ckpt, out, f"finetuning_type changed ({prev.finetuning_type} -> {nxt.finetuning_type}):"
                         " the checkpoint's weights/adapter do not fit the new run", archive_name)
     if ckpt.adapter != (nxt.finetuning_type in _ADAPTER_METHODS) and ckpt.has_weights:
-        return _restart(ckpt, f"checkpoint holds {'an adapter' if ckpt.adapter else 'full weights'}"
+        return _restart(ckpt, out, f"checkpoint holds {'an adapter' if ckpt.adapter else 'full weights'}"
                         f" but the next run is finetuning_type={nxt.finetuning_type}", archive_name)
 
     src_stage = ckpt.zero_stage if ckpt.deepspeed else None
@@ -246,8 +254,8 @@ def plan_resume(
             notes=RENDERER_NOTES + ("merge `deepspeed` into the attempt's DeepSpeed JSON",),
         )
     if allow_weights_only:
-        return _weights_only(ckpt, nxt, why_not, archive_name)
-    return _restart(ckpt, f"{why_not}; weights-only continuation not allowed by policy", archive_name)
+        return _weights_only(ckpt, out, nxt, why_not, archive_name)
+    return _restart(ckpt, out, f"{why_not}; weights-only continuation not allowed by policy", archive_name)
 
 
 def _optimizer_state_incompatibility(
@@ -307,7 +315,7 @@ def _exact(ckpt: Checkpoint, prev: RunShape | None, nxt: RunShape, tf_version: s
     )
 
 
-def _weights_only(ckpt: Checkpoint, nxt: RunShape, why_not: str, archive_name: str) -> ResumePlan:
+def _weights_only(ckpt: Checkpoint, out: Path, nxt: RunShape, why_not: str, archive_name: str) -> ResumePlan:
     if nxt.deepspeed_stage is None and ckpt.deepspeed and ckpt.has_weights:
         # transformers itself does this when a DeepSpeed checkpoint meets a non-DeepSpeed run:
         # weights, global step, data position and RNG continue; optimizer and LR schedule restart.
@@ -322,10 +330,10 @@ def _weights_only(ckpt: Checkpoint, nxt: RunShape, why_not: str, archive_name: s
             notes=RENDERER_NOTES,
         )
     if not ckpt.has_weights:
-        return _restart(ckpt, f"{why_not}; and {ckpt.path.name} has no consolidated weights"
+        return _restart(ckpt, out, f"{why_not}; and {ckpt.path.name} has no consolidated weights"
                         " (ZeRO-3 without stage3_gather_16bit_weights_on_model_save)", archive_name)
-    archive = _archive(ckpt, archive_name)
-    moved = archive.target / ckpt.path.name
+    archive = _archive(out, archive_name)
+    moved = archive.target / ckpt.path.name if ckpt.path.parent == out else ckpt.path
     key = "adapter_name_or_path" if ckpt.adapter else "model_name_or_path"
     return ResumePlan(
         "weights_only", ckpt,
@@ -345,8 +353,8 @@ def _weights_only(ckpt: Checkpoint, nxt: RunShape, why_not: str, archive_name: s
     )
 
 
-def _restart(ckpt: Checkpoint, reason: str, archive_name: str) -> ResumePlan:
-    archive = _archive(ckpt, archive_name)
+def _restart(ckpt: Checkpoint, out: Path, reason: str, archive_name: str) -> ResumePlan:
+    archive = _archive(out, archive_name)
     return ResumePlan(
         "restart", ckpt, {"resume_from_checkpoint": None, "overwrite_output_dir": False},
         reason=reason + f"; checkpoints are archived under {archive.target}, not deleted",
@@ -356,12 +364,11 @@ def _restart(ckpt: Checkpoint, reason: str, archive_name: str) -> ResumePlan:
     )
 
 
-def _archive(ckpt: Checkpoint, archive_name: str) -> Fixup:
+def _archive(out: Path, archive_name: str) -> Fixup:
     """Move every `checkpoint-N` of the output dir out of LLaMA-Factory's sight.
 
     Without it LLaMA-Factory auto-resumes from the highest one (resume_from_checkpoint unset).
     """
-    out = ckpt.path.parent
     return Fixup("archive_checkpoints", out, target=out / ARCHIVE_DIR / archive_name)
 
 

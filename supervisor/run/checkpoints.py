@@ -211,6 +211,29 @@ def inspect_checkpoint(
     )
 
 
+def inspect_path(path: Path, output_dir: Path | None = None):
+    """What is at a path a user named as `resume_from_checkpoint` (a `UserCheckpoint`).
+
+    Its step comes from a `checkpoint-N` name, else from its trainer_state.json; a folder outside
+    output_dir comes with a scan of the folder that holds it (where a replacement would be)."""
+    from supervisor.judge.user_resume import UserCheckpoint
+
+    path = Path(path)
+    if not path.exists():
+        return UserCheckpoint(path, None)
+    m = CHECKPOINT_RE.match(path.name)
+    step = int(m.group(1)) if m else None
+    if step is None:
+        try:
+            step = json.loads((path / TRAINER_STATE).read_text()).get("global_step")
+        except (OSError, ValueError, AttributeError):
+            step = None
+    found = (inspect_checkpoint(path, step) if isinstance(step, int)
+             else Incomplete(path, None, f"no readable {TRAINER_STATE} with a global_step"))
+    siblings = None if output_dir is not None and path.parent == Path(output_dir) else scan_output_dir(path.parent)
+    return UserCheckpoint(path, found, siblings)
+
+
 def _inspect_fsdp(path: Path, names: set[str]) -> tuple[str, set[int], bool] | str | None:
     """(state-dict type, ranks whose model shards are present, has optimizer state), None when
     the folder holds no FSDP state, or why the FSDP part is incomplete."""
@@ -345,8 +368,10 @@ def _archive_checkpoints(fx: Fixup) -> list[str]:
     """
     assert fx.target is not None
     entries = os.listdir(fx.path)
-    names = sorted(n for n in entries if CHECKPOINT_RE.match(n) and (fx.path / n).is_dir())
-    finals = sorted(n for n in entries if _FINAL_WEIGHTS_RE.match(n) and (fx.path / n).is_file())
+    names = sorted(n for n in entries if (m := CHECKPOINT_RE.match(n)) and (fx.path / n).is_dir()
+                   and (fx.value is None or int(m.group(1)) > fx.value))
+    finals = [] if fx.value is not None else sorted(
+        n for n in entries if _FINAL_WEIGHTS_RE.match(n) and (fx.path / n).is_file())
     if names and fx.target.exists() and any((fx.target / n).exists() for n in names):
         raise FileExistsError(f"{fx.target} already holds {names}: refusing to merge archives")
     fx.target.mkdir(parents=True, exist_ok=True)
