@@ -223,6 +223,7 @@ class Runner:
         self.journal.event(job.id, "attempt_started", f"attempt {n}: {' '.join(plan.rendered.argv)}", attempt=n,
                            pid=launched.handle.pid, changes=[c.to_dict() for c in plan.rendered.changes],
                            memory_limit=spec.sup.host_memory_limit, limit_mechanism=res.mechanism,
+                           world_size=plan.world_size,
                            ownership=res.owner.mechanism if res.owner is not None else self.backend.name)
         act.vram = self.backend.telemetry(launched.handle, gpus)
         return act

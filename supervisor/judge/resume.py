@@ -296,6 +296,11 @@ def _exact(ckpt: Checkpoint, prev: RunShape | None, nxt: RunShape, tf_version: s
         semantic = (f"effective batch changes {prev.effective_batch} -> {nxt.effective_batch}:"
                     " the data position and LR schedule after step"
                     f" {ckpt.step} no longer match the original run")
+    if ckpt.world_size and ckpt.world_size != nxt.world_size and not ckpt.deepspeed:
+        reason += (f"; world size {ckpt.world_size} -> {nxt.world_size}: the weights, the optimizer state "
+                   "(one optimizer.pt, per parameter, not per rank), the LR schedule and the step carry over; "
+                   "the data position too, the effective batch being kept; each rank restores its own RNG "
+                   f"state where {ckpt.path.name} has one (rng_state_<rank>.pth), the others start from the seed")
     old_tbs = ckpt.train_batch_size
     if old_tbs is not None and old_tbs != nxt.micro_batch:
         version = parse_version(tf_version)
