@@ -273,7 +273,12 @@ class Facts:
             resume = ResumeFacts(scan=scan_output_dir(output_dir, expected_world_size=self.writers_world(job.id)),
                                  prev_overrides=Overrides.from_dict(prev.json("overrides")) if prev else None,
                                  transformers_version=self.versions(spec).get("transformers"), user=user)
+        vm = psutil.virtual_memory()
+        capacities = self.backend.gpu_capacities() or {}
+        mine = [capacities[g] for g in (gpus if gpus is not None else spec.sup.gpus or capacities) if g in capacities]
         return JobFacts(
+            host_ram_bytes=vm.total, host_used_by_others_bytes=vm.total - vm.available,
+            gpu_capacity_bytes=min(mine) if mine else None,
             job_id=job.id, number=number, spec=spec, policy=policy, policy_error=policy_error,
             escalation=escalation, learned=learned, crash_interruptions=self.crash_interruptions(job.id),
             max_interruptions=self.cfg.max_interruptions, world_size=world, asked_world_size=asked,

@@ -22,6 +22,7 @@ from supervisor.core.models import Overrides
 from supervisor.intake.jobspec import JobSpec
 from supervisor.intake.llamafactory.launch import VISIBILITY_VARS
 from supervisor.judge.kinds import kind_of
+from supervisor.judge.load_check import LoadCheck, check_load
 from supervisor.judge.policy.render import (
     EMERGENCY_CKPT_ENV,
     RenderedAttempt,
@@ -79,6 +80,10 @@ class JobFacts:
     job_deepspeed: Mapping[str, Any] | None = None  # the job's own DeepSpeed config, read at the edge
     resume: ResumeFacts | None = None
     default_hang_timeout: float = 0.0
+    # The box, for the check that a checkpoint can be loaded at all (judge.load_check).
+    host_ram_bytes: int | None = None
+    host_used_by_others_bytes: int | None = None
+    gpu_capacity_bytes: int | None = None  # per GPU of the attempt; None: no GPU
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,11 @@ def plan_attempt(facts: JobFacts) -> Refuse | AttemptPlan:
                                        {"mode": resume.mode, "semantic_change": resume.semantic_change}))
         if resume.semantic_change:
             before.append(PlannedEvent("semantic_change", f"TRAINING SEMANTICS CHANGE: {resume.semantic_change}"))
+        load = load_check_of(facts, launched, resume)
+        if load.refuse:
+            return Refuse(f"cannot resume: {load.refuse}")
+        if load.note:
+            before.append(PlannedEvent("load_check", load.note, load.numbers))
 
     rendering = launched
     ds_now = deepspeed_of(launched, facts.job_deepspeed)
@@ -257,6 +267,21 @@ def plan_the_resume(facts: JobFacts, overrides: Overrides, *, launched: Override
     if choice.note:
         plan = dataclasses.replace(plan, user_note=choice.note)
     return plan
+
+
+def load_check_of(facts: JobFacts, launched: Overrides, resume: ResumePlan) -> LoadCheck:
+    """The optimizer state the resume must load, against the host's and the GPUs' memory."""
+    assert facts.spec is not None
+    shape = run_shape({**facts.spec.config, **launched.yaml}, world_size=facts.world_size,
+                      deepspeed_cfg=deepspeed_of(launched, facts.job_deepspeed))
+    limit = facts.spec.sup.host_memory_limit
+    budget = limit
+    if budget is None and facts.host_ram_bytes:
+        reserve = facts.policy.host_ram_reserve if facts.policy is not None else 0.1
+        budget = max(0, int(facts.host_ram_bytes * (1 - reserve)) - (facts.host_used_by_others_bytes or 0))
+    return check_load(resume.checkpoint, mode=resume.mode, world=facts.world_size,
+                      offload_optimizer=shape.offload_optimizer, host_limit=limit, host_ram=facts.host_ram_bytes,
+                      host_budget=budget, gpu_capacity=facts.gpu_capacity_bytes)
 
 
 def deepspeed_of(overrides: Overrides, job_deepspeed: Mapping[str, Any] | None) -> dict | None:

@@ -50,6 +50,10 @@ class Checkpoint:
     ds_tag: str | None = None
     max_steps: int | None = None
     fsdp: str | None = None  # "sharded" | "full" | "local" (the FSDP state-dict type), else None
+    # Sizes on disk (bytes) of the optimizer state (optimizer.pt, or every rank's ZeRO shard) and of
+    # its largest file: what loading it must hold in memory (judge.load_check). None: not measured.
+    optimizer_bytes: int | None = None
+    largest_optimizer_file: int | None = None
 
 
 @dataclass(frozen=True)

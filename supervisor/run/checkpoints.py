@@ -196,6 +196,10 @@ def inspect_checkpoint(
         return Incomplete(path, step, "no rng_state*.pth")
 
     tbs = state.get("train_batch_size")
+    if deepspeed and ds_tag:
+        optim = _file_sizes(path / ds_tag, _OPTIM_SHARD_RE)
+    else:
+        optim = _file_sizes(path, re.compile(r"^optimizer\.(?:pt|bin)$"))
     return Checkpoint(
         path=path,
         step=step,
@@ -208,7 +212,21 @@ def inspect_checkpoint(
         has_optimizer=has_optimizer,
         ds_tag=ds_tag,
         max_steps=state.get("max_steps") if isinstance(state.get("max_steps"), int) else None,
+        optimizer_bytes=sum(optim) if optim else None,
+        largest_optimizer_file=max(optim) if optim else None,
     )
+
+
+def _file_sizes(folder: Path, pattern: re.Pattern[str]) -> list[int]:
+    """Sizes of the files in `folder` whose names match (stat only: nothing is read)."""
+    out = []
+    try:
+        for e in os.scandir(folder):
+            if pattern.match(e.name) and e.is_file():
+                out.append(e.stat().st_size)
+    except OSError:
+        return []
+    return out
 
 
 def inspect_path(path: Path, output_dir: Path | None = None):
