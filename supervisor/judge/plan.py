@@ -407,6 +407,8 @@ def remedy_text(overrides: Overrides) -> str | None:
     counted = [f"{n} x{overrides.rungs.count(n)}" if overrides.rungs.count(n) > 1 else n for n in names]
     settings = [f"{k}={v}" for k, v in overrides.yaml.items()]
     if overrides.deepspeed is not None:
-        settings.append("deepspeed=generated ZeRO-3 config")
+        settings.append("deepspeed=the attempt's own ds_config.json"
+                        + (" (checkpoint.load_universal)" if "universal_load" in overrides.rungs else
+                           " (generated ZeRO-3)"))
     settings += [f"{k}={v}" for k, v in overrides.env.items() if k.endswith("ALLOC_CONF")][:1]
     return " + ".join(counted) + (f" ({', '.join(settings)})" if settings else "")

@@ -86,6 +86,7 @@ class RunShape:
     micro_batch: int
     grad_accum: int
     finetuning_type: str
+    load_universal: bool = False  # its DeepSpeed config reads checkpoints in the universal format
 
     @property
     def effective_batch(self) -> int:
@@ -166,11 +167,14 @@ def run_shape(config: Mapping[str, Any], *, world_size: int, deepspeed_cfg: Mapp
     Defaults are LLaMA-Factory's: micro-batch 8, accumulation 1, finetuning_type lora.
     """
     stage = off_opt = off_par = None
+    universal = False
     if deepspeed_cfg is not None:
         zero = deepspeed_cfg.get("zero_optimization") or {}
         stage = int(zero.get("stage", 0))
         off_opt = _offloaded(zero.get("offload_optimizer"))
         off_par = _offloaded(zero.get("offload_param"))
+        section = deepspeed_cfg.get("checkpoint")
+        universal = isinstance(section, Mapping) and bool(section.get("load_universal"))
     return RunShape(
         deepspeed_stage=stage,
         offload_optimizer=bool(off_opt),
@@ -179,6 +183,7 @@ def run_shape(config: Mapping[str, Any], *, world_size: int, deepspeed_cfg: Mapp
         micro_batch=int(config.get("per_device_train_batch_size", 8)),
         grad_accum=int(config.get("gradient_accumulation_steps", 1)),
         finetuning_type=str(config.get("finetuning_type", "lora")),
+        load_universal=universal,
     )
 
 
@@ -240,13 +245,15 @@ def plan_resume(
     dst_stage = nxt.deepspeed_stage
 
     why_not = _optimizer_state_incompatibility(ckpt, src_stage, src_world, prev, nxt)
-    if why_not is None:
+    # Verified here for ZeRO-3 with a world-size change (2 ranks -> 1 -> 2, tests/checkpoints/
+    # test_real_world_size.py). Stage changes via universal were not run: not offered.
+    same_layout = src_stage in (2, 3) and dst_stage is not None and (src_stage == 3) == (dst_stage == 3)
+    if why_not is None and nxt.load_universal and ckpt.deepspeed and same_layout:
+        why_not = "the attempt loads ZeRO checkpoints through DeepSpeed's universal format (per parameter)"
+    elif why_not is None:
         return _exact(ckpt, prev, nxt, transformers_version)
 
-    # Verified here for ZeRO-3 with a world-size change (2 ranks -> 1: converted in 2 s, resumed
-    # with the LR schedule continuing). Stage changes via universal were not run: not offered.
-    same_layout = src_stage in (2, 3) and dst_stage is not None and (src_stage == 3) == (dst_stage == 3)
-    if allow_universal and ckpt.deepspeed and same_layout and src_world != nxt.world_size:
+    if allow_universal and ckpt.deepspeed and same_layout and (src_world != nxt.world_size or nxt.load_universal):
         tag = ckpt.ds_tag or f"global_step{ckpt.step}"
         target = ckpt.path / f"{tag}_universal"
         return ResumePlan(

@@ -425,3 +425,27 @@ def cutoff_len(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, 
             "activations shrink with the sequence length")
     frees = int(mem.activations * (1 - new / v.cutoff)) if mem.activations is not None else None
     return Applied(with_changes(ov, "cutoff_len", what, yaml={"cutoff_len": new}), what, frees)
+
+
+def universal_load(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, mem: Memory) -> Applied | Skipped:
+    """A load-time remedy: read a ZeRO checkpoint parameter by parameter (DeepSpeed's universal
+    format) instead of whole per-rank shards, each of which DeepSpeed otherwise loads into host
+    memory next to the optimizer state the engine already holds (`_load_zero_checkpoint`,
+    map_location='cpu'). Training is unchanged: the same states, loaded in smaller pieces."""
+    if job.kind != "llamafactory":
+        return Skipped("not a LLaMA-Factory job")
+    if not policy.allow_universal_checkpoint:
+        return Skipped("the policy does not allow universal checkpoints (allow_universal_checkpoint)")
+    ds = deepspeed_of(job, ov)
+    zero = (ds or {}).get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if not ds or str(stage) not in ("1", "2", "3"):
+        return Skipped("no DeepSpeed ZeRO checkpoint to load another way")
+    section = ds.get("checkpoint") if isinstance(ds.get("checkpoint"), Mapping) else {}
+    if section.get("load_universal"):
+        return Skipped("already loading through the universal format")
+    new = {**ds, "checkpoint": {**section, "load_universal": True}}
+    what = ("checkpoint.load_universal: true in the attempt's DeepSpeed config (the ZeRO checkpoint is converted "
+            "with DeepSpeed's ds_to_universal before launch): the optimizer state is read parameter by parameter, "
+            "not as whole per-rank shards on top of what the engine already holds; no training change")
+    return Applied(with_changes(ov, "universal_load", what, deepspeed=new), what, None)

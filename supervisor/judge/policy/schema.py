@@ -21,7 +21,7 @@ from supervisor.core.models import Problem
 
 RungName = Literal[
     "allocator", "micro_batch", "eval_batch", "grad_checkpointing",
-    "zero3_offload_optimizer", "zero3_offload_param", "memory_fraction", "cutoff_len",
+    "zero3_offload_optimizer", "zero3_offload_param", "memory_fraction", "cutoff_len", "universal_load",
 ]
 ALL_RUNGS: tuple[str, ...] = RungName.__args__  # type: ignore[attr-defined]
 DATA_CHANGING_RUNGS = frozenset({"cutoff_len"})
