@@ -53,18 +53,17 @@ RUNNABLE_STATES = ("queued", "waiting_retry")
 
 # --------------------------------------------------------------------------- marks (live)
 
-# transformers' Trainer (5.x) logs these through LLaMA-Factory's INFO handler on rank 0:
-# "Loading model from <ckpt>." before a non-DeepSpeed resume (_load_from_checkpoint); DeepSpeed's
-# engine "[Torch] Loading checkpoint from ..." / "Loading N zero partition checkpoints" / "loaded
-# universal zero checkpoints" while deepspeed_load_checkpoint runs; "***** Running training *****"
-# once _prepare_for_training has loaded the optimizer and scheduler; "Saving model checkpoint to
-# <dir>" at the start of every save (checkpoints and the final model).
-_LOAD_BEGIN_RE = re.compile(
-    r"Loading model from \S*checkpoint-\d+|\[Torch\] (?:Begin )?Load(?:ing)? checkpoint from"
-    r"|loading \d+ zero partition checkpoints|Loading \S+ zero checkpoints|load_universal")
+# transformers' Trainer (5.x) logs these through LLaMA-Factory's INFO handler on rank 0 (measured,
+# /work/notes/universal-ckpt.md C.3): "Loading model from <ckpt>." when a non-DeepSpeed resume
+# loads the weights (the optimizer follows silently), "Attempting to resume from <ckpt>"
+# (integrations/deepspeed.py) when DeepSpeed loads weights and optimizer; "***** Running training
+# *****" once _prepare_for_training has loaded them all; "Saving model checkpoint to <dir>" at the
+# start of every save (checkpoints and the final model). LLaMA-Factory's own "Resuming training
+# from ..." comes at argument parsing: start-up, not loading.
+_LOAD_BEGIN_RE = re.compile(r"Loading model from \S*checkpoint-\d+|Attempting to resume from \S+")
 _LOAD_END_RE = re.compile(r"\*\*\*\*\* Running training \*\*\*\*\*")
 _SAVE_RE = re.compile(r"Saving model checkpoint to (\S+)")
-_NEEDLES = (b"Loading", b"oading", b"Running training", b"Saving model checkpoint", b"universal")
+_NEEDLES = (b"Loading model from", b"Attempting to resume from", b"Running training", b"Saving model checkpoint")
 
 
 @dataclass

@@ -243,6 +243,7 @@ def plan_the_resume(facts: JobFacts, overrides: Overrides, *, launched: Override
     try:
         nxt = run_shape({**spec.config, **launched.yaml}, world_size=facts.world_size,
                         deepspeed_cfg=deepspeed_of(launched, facts.job_deepspeed))
+        nxt = dataclasses.replace(nxt, lean_load="universal_load" in launched.rungs)
         prev = None
         if r.prev_overrides is not None:
             # The run that wrote the checkpoint, on the ranks that wrote it, as fitted to them.

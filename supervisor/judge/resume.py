@@ -87,6 +87,8 @@ class RunShape:
     grad_accum: int
     finetuning_type: str
     load_universal: bool = False  # its DeepSpeed config reads checkpoints in the universal format
+    lean_load: bool = False  # a universal load without the old rank 0's whole optimizer file (universal_load)
+    round_robin: bool = False  # ZeRO-1/2 `round_robin_gradients` (universal is wrong with it on > 1 rank)
 
     @property
     def effective_batch(self) -> int:
@@ -103,7 +105,9 @@ class Fixup:
       `target`, so LLaMA-Factory cannot auto-resume from one; with `value` (a step), only those
       newer than that step (and no final weights);
     * `ds_to_universal`: run DeepSpeed's converter on `path`'s `ds_tag` into `target` and write
-      `latest_universal` next to it.
+      `latest_universal` next to it;
+    * `slim_universal_optimizer_state`: rewrite the universal checkpoint's `zero/optimizer_state.pt`
+      (`path`) without the tensors the ZeRO-3 loader does not read, keeping the original as `backup`.
     """
 
     kind: str
@@ -121,6 +125,9 @@ class Fixup:
             return f"move every checkpoint-N of {self.path} into {self.target}"
         if self.kind == "ds_to_universal":
             return f"convert {self.path}/{self.value} to a universal checkpoint in {self.target}"
+        if self.kind == "slim_universal_optimizer_state":
+            return (f"slim {self.path} to what the ZeRO-3 universal loader reads (the step and the param groups), "
+                    "so no rank loads the old rank 0's whole optimizer state")
         return f"{self.kind} {self.path}"
 
 
@@ -167,7 +174,7 @@ def run_shape(config: Mapping[str, Any], *, world_size: int, deepspeed_cfg: Mapp
     Defaults are LLaMA-Factory's: micro-batch 8, accumulation 1, finetuning_type lora.
     """
     stage = off_opt = off_par = None
-    universal = False
+    universal = round_robin = False
     if deepspeed_cfg is not None:
         zero = deepspeed_cfg.get("zero_optimization") or {}
         stage = int(zero.get("stage", 0))
@@ -175,6 +182,7 @@ def run_shape(config: Mapping[str, Any], *, world_size: int, deepspeed_cfg: Mapp
         off_par = _offloaded(zero.get("offload_param"))
         section = deepspeed_cfg.get("checkpoint")
         universal = isinstance(section, Mapping) and bool(section.get("load_universal"))
+        round_robin = isinstance(zero, Mapping) and bool(zero.get("round_robin_gradients"))
     return RunShape(
         deepspeed_stage=stage,
         offload_optimizer=bool(off_opt),
@@ -184,6 +192,7 @@ def run_shape(config: Mapping[str, Any], *, world_size: int, deepspeed_cfg: Mapp
         grad_accum=int(config.get("gradient_accumulation_steps", 1)),
         finetuning_type=str(config.get("finetuning_type", "lora")),
         load_universal=universal,
+        round_robin=round_robin and stage in (1, 2),
     )
 
 
@@ -253,20 +262,47 @@ def plan_resume(
     elif why_not is None:
         return _exact(ckpt, prev, nxt, transformers_version)
 
-    if allow_universal and ckpt.deepspeed and same_layout and (src_world != nxt.world_size or nxt.load_universal):
+    scrambled = _round_robin_trap(src_stage, src_world, prev, nxt)
+    if (allow_universal and ckpt.deepspeed and same_layout and not scrambled
+            and (src_world != nxt.world_size or nxt.load_universal)):
         tag = ckpt.ds_tag or f"global_step{ckpt.step}"
         target = ckpt.path / f"{tag}_universal"
+        fixups = [Fixup("ds_to_universal", ckpt.path, value=tag, target=target)]
+        keys: dict[str, Any] = {"checkpoint": {"load_universal": True}}
+        reason = f"{why_not}; converting to a DeepSpeed universal checkpoint keeps optimizer state"
+        if dst_stage in (1, 2) and nxt.world_size > 1:
+            keys["zero_optimization"] = {"round_robin_gradients": False}  # else the load is silently wrong
+            reason += " (round_robin_gradients off: the universal mapping assumes the natural order)"
+        if nxt.lean_load and dst_stage == 3:
+            state = target / "zero" / "optimizer_state.pt"
+            fixups.append(Fixup("slim_universal_optimizer_state", state,
+                                backup=state.with_name("optimizer_state.pt.supervisor-orig")))
+            reason += "; loaded lean: no rank holds the old rank 0's whole optimizer file"
         return ResumePlan(
             "universal", ckpt,
             {"resume_from_checkpoint": str(ckpt.path), "overwrite_output_dir": False},
-            reason=f"{why_not}; converting to a DeepSpeed universal checkpoint keeps optimizer state",
-            fixups=(Fixup("ds_to_universal", ckpt.path, value=tag, target=target),),
-            deepspeed={"checkpoint": {"load_universal": True}},
+            reason=reason, fixups=tuple(fixups), deepspeed=keys,
             notes=RENDERER_NOTES + ("merge `deepspeed` into the attempt's DeepSpeed JSON",),
         )
+    if scrambled:
+        why_not += f"; {scrambled}"
     if allow_weights_only:
         return _weights_only(ckpt, out, nxt, why_not, archive_name)
     return _restart(ckpt, out, f"{why_not}; weights-only continuation not allowed by policy", archive_name)
+
+
+def _round_robin_trap(src_stage: int | None, src_world: int | None, prev: RunShape | None,
+                      nxt: RunShape) -> str | None:
+    """Measured (DeepSpeed 0.19.8): a ZeRO-1/2 checkpoint written with `round_robin_gradients: true`
+    (LLaMA-Factory's ds_z2 preset) on more than one rank converts to universal with scrambled fp32
+    weights, silently: the flat buffer is in round-robin order, the mapping assumes the natural one."""
+    if src_stage != 2 or not src_world or src_world < 2:
+        return None
+    was = prev.round_robin if prev is not None else nxt.round_robin
+    if not was:
+        return None
+    return (f"its {src_world}-rank ZeRO-2 shards were written with round_robin_gradients: DeepSpeed's "
+            "universal conversion of them is silently wrong, so it is not used")
 
 
 def _optimizer_state_incompatibility(
@@ -308,10 +344,12 @@ def _exact(ckpt: Checkpoint, prev: RunShape | None, nxt: RunShape, tf_version: s
                     " the data position and LR schedule after step"
                     f" {ckpt.step} no longer match the original run")
     if ckpt.world_size and ckpt.world_size != nxt.world_size and not ckpt.deepspeed:
+        # Measured 2 -> 1 (losses within 1e-6, lr identical): transformers looks for rng_state.pth on
+        # one rank and rng_state_<rank>.pth on several, so a layout change finds none.
         reason += (f"; world size {ckpt.world_size} -> {nxt.world_size}: the weights, the optimizer state "
-                   "(one optimizer.pt, per parameter, not per rank), the LR schedule and the step carry over; "
-                   "the data position too, the effective batch being kept; each rank restores its own RNG "
-                   f"state where {ckpt.path.name} has one (rng_state_<rank>.pth), the others start from the seed")
+                   "(one optimizer.pt, per parameter, not per rank), the LR schedule, the step and the data "
+                   "position carry over (the effective batch is kept); the RNG state does not (no RNG file of "
+                   "the new layout: harmless without dropout)")
     old_tbs = ckpt.train_batch_size
     if old_tbs is not None and old_tbs != nxt.micro_batch:
         version = parse_version(tf_version)

@@ -373,6 +373,8 @@ def apply_fixups(plan: ResumePlan, *, python: str | None = None, run_as=None) ->
             done.extend(_archive_checkpoints(fx))
         elif fx.kind == "ds_to_universal":
             done.append(_ds_to_universal(fx, python or sys.executable, run_as))
+        elif fx.kind == "slim_universal_optimizer_state":
+            done.append(_slim_optimizer_state(fx, python or sys.executable, run_as))
         else:
             raise ValueError(f"unknown fixup kind {fx.kind!r}")
     return done
@@ -425,14 +427,47 @@ def _ds_to_universal(fx: Fixup, python: str, run_as=None) -> str:
     if not fx.target.is_dir():
         tmp = fx.target.with_name(fx.target.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted conversion
+        # --inject_missing_state: ZeRO-1/2 checkpoints written through transformers carry no
+        # `universal_checkpoint_info` and the converter asserts without it (ZeRO-3 ignores the flag).
         subprocess.run(
-            [python, "-m", "deepspeed.checkpoint.ds_to_universal",
+            [python, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
              "--input_folder", str(fx.path / fx.value), "--output_folder", str(tmp)],
             check=True, capture_output=True, text=True, **as_user_kwargs(run_as),
         )
         os.rename(tmp, fx.target)
+    # The converter names the `.partial` folder here; every universal resume writes it again.
     _atomic_write(fx.path / "latest_universal", fx.target.name)
     return fx.describe()
+
+
+# Run in the job's interpreter (the daemon never imports torch): keep what DeepSpeed's ZeRO-3
+# universal loader reads from zero/optimizer_state.pt (the step, the param groups, the loss-scaler
+# scalars: stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3) and drop the old rank 0's
+# whole optimizer state, which every rank would otherwise hold while it loads.
+_SLIM = """
+import os, sys, torch
+src, backup = sys.argv[1], sys.argv[2]
+sd = torch.load(src, weights_only=False, map_location="cpu")
+osd = sd["optimizer_state_dict"]
+osd["state"] = {k: {"step": v["step"]} for k, v in osd["state"].items() if "step" in v}
+sd.pop("fp32_flat_groups", None)
+if not os.path.exists(backup):
+    os.replace(src, backup)
+torch.save(sd, src + ".tmp")
+os.replace(src + ".tmp", src)
+print(os.path.getsize(backup), os.path.getsize(src))
+"""
+
+
+def _slim_optimizer_state(fx: Fixup, python: str, run_as=None) -> str:
+    assert fx.backup is not None
+    if fx.backup.exists() and fx.path.exists():
+        return f"{fx.path} already slimmed (original kept as {fx.backup.name})"
+    res = subprocess.run([python, "-c", _SLIM, str(fx.path), str(fx.backup)], check=True, capture_output=True,
+                         text=True, **as_user_kwargs(run_as))
+    before, after = (int(x) for x in res.stdout.split()[-2:])
+    return (f"{fx.describe()}: {before / (1 << 20):.1f} MiB -> {after / 1024:.1f} KiB (original kept as "
+            f"{fx.backup.name})")
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -37,7 +37,7 @@ def test_the_same_host_oom_at_a_training_step_still_gets_the_batch_remedy(defaul
 def test_a_host_oom_while_loading_without_deepspeed_fails_saying_the_batch_is_not_the_cause(default_policy):
     d = first(job(), oom(Phase.CHECKPOINT_LOAD, category=Category.HOST_OOM, vendor="cpu"), default_policy)
     assert d.kind == "fail" and "a smaller micro-batch frees nothing" in d.reason
-    assert "universal_load: no DeepSpeed ZeRO checkpoint" in d.reason
+    assert "universal_load: no DeepSpeed ZeRO-3 checkpoint" in d.reason
 
 
 def test_once_loading_per_parameter_failed_too_nothing_else_is_tried(default_policy):
@@ -47,6 +47,12 @@ def test_once_loading_per_parameter_failed_too_nothing_else_is_tried(default_pol
     d = decide(j, [attempt(1, Overrides(), load_oom, 40), attempt(2, universal, load_oom, 40)], load_oom,
                default_policy)
     assert d.kind == "fail" and "already loading through the universal format" in d.reason
+
+
+def test_zero2_gets_no_lean_universal_load(default_policy):
+    z2 = {"zero_optimization": {"stage": 2}}
+    d = first(job(deepspeed_config=z2), oom(Phase.CHECKPOINT_LOAD, category=Category.HOST_OOM), default_policy)
+    assert d.kind == "fail" and "measured for ZeRO-3 only" in d.reason
 
 
 def test_a_gpu_oom_while_loading_gets_load_time_remedies_only(default_policy):
