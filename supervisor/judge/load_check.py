@@ -11,7 +11,10 @@ DeepSpeed 0.19.8 `DeepSpeedEngine._load_zero_checkpoint`):
 * DeepSpeed ZeRO: every rank loads its own shard (`zero_pp_rank_<r>_mp_rank_00_optim_states.pt`,
   `map_location="cpu"`), all ranks at once; with optimizer offload the states already sit in host
   memory at that moment, so the shard being loaded comes on top of them.
-* a universal checkpoint is read per parameter (small files, one at a time): not checked here.
+* a universal checkpoint is read per parameter (small files, one at a time), but DeepSpeed's
+  ZeRO-3 universal loader first loads `zero/optimizer_state.pt` on EVERY rank: the old rank 0's
+  whole optimizer file (measured: the load-time host OOM of tests/checkpoints/test_real_load_oom.py).
+  Slimmed (`universal_load`), it is a few KiB.
 
 The sizes are the files' sizes on disk, a slight overestimate of the tensors in them (a pickle
 and zip headers). A resume is refused only when even the smallest amount that loading must hold
@@ -45,15 +48,23 @@ def _gib(n: int | float) -> str:
 
 def check_load(ckpt: Checkpoint | None, *, mode: str, world: int, offload_optimizer: bool,
                host_limit: int | None, host_ram: int | None, host_budget: int | None,
-               gpu_capacity: int | None) -> LoadCheck:
-    """`mode`: the resume plan's mode (only `exact` loads the optimizer state as saved);
-    `gpu_capacity`: per GPU, None on a box without GPUs (then every rank loads into host RAM)."""
-    if ckpt is None or mode != "exact" or not ckpt.optimizer_bytes or not ckpt.largest_optimizer_file:
+               gpu_capacity: int | None, lean: bool = False) -> LoadCheck:
+    """`mode`: the resume plan's mode (`exact`: the state as saved; `universal`: converted first);
+    `gpu_capacity`: per GPU, None on a box without GPUs (then every rank loads into host RAM);
+    `lean`: a universal load without the old rank 0's optimizer file."""
+    if ckpt is None or mode not in ("exact", "universal") or not ckpt.optimizer_bytes \
+            or not ckpt.largest_optimizer_file or (mode == "universal" and (lean or ckpt.zero_stage != 3)):
         return LoadCheck()
     total, largest = ckpt.optimizer_bytes, ckpt.largest_optimizer_file
     files = max(1, round(total / largest))
     on_gpu = gpu_capacity is not None
-    if not ckpt.deepspeed:
+    if mode == "universal":
+        # rank 0's shard is the largest or as large as any (ZeRO pads partitions evenly)
+        host_floor = largest - HEADER_ALLOWANCE
+        how = (f"DeepSpeed's universal loader makes each of the {world} ranks hold the old rank 0's whole optimizer "
+               f"file ({_gib(largest)}) while it loads")
+        gpu_need = None
+    elif not ckpt.deepspeed:
         if world > 1 and on_gpu:
             host_floor, how = 0, "each rank loads the whole optimizer.pt onto its own GPU"
         elif world > 1:
@@ -82,7 +93,11 @@ def check_load(ckpt: Checkpoint | None, *, mode: str, world: int, offload_optimi
         return LoadCheck(refuse=(f"{head}, more than {hard_words}: it cannot be loaded on this box. Give the job "
                                  "more host memory, or run it where there is more"), numbers=numbers)
     said = []
-    if host_budget is not None and host_floor > host_budget:
+    if mode == "universal" and host_budget is not None and world * host_floor > host_budget:
+        said.append(f"{head} a rank, {_gib(world * host_floor)} for all {world}, more than the ~{_gib(host_budget)} "
+                    "the job may use now: if the load runs out of host memory, the policy loads it lean "
+                    "(universal_load)")
+    elif host_budget is not None and host_floor > host_budget:
         said.append(f"{head}, more than the ~{_gib(host_budget)} the job may use now: the load may run out of "
                     "host memory (answered with load-time remedies if it does)")
     if gpu_need is not None and gpu_capacity and gpu_need > gpu_capacity:

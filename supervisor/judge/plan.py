@@ -282,7 +282,8 @@ def load_check_of(facts: JobFacts, launched: Overrides, resume: ResumePlan) -> L
         budget = max(0, int(facts.host_ram_bytes * (1 - reserve)) - (facts.host_used_by_others_bytes or 0))
     return check_load(resume.checkpoint, mode=resume.mode, world=facts.world_size,
                       offload_optimizer=shape.offload_optimizer, host_limit=limit, host_ram=facts.host_ram_bytes,
-                      host_budget=budget, gpu_capacity=facts.gpu_capacity_bytes)
+                      host_budget=budget, gpu_capacity=facts.gpu_capacity_bytes,
+                      lean="universal_load" in launched.rungs)
 
 
 def deepspeed_of(overrides: Overrides, job_deepspeed: Mapping[str, Any] | None) -> dict | None:

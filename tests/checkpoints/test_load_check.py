@@ -71,9 +71,17 @@ def test_ranks_on_gpus_load_onto_their_gpus_and_zero_offload_adds_the_shard_to_w
     off = check_load(ck(40 * GiB, 10 * GiB, deepspeed=True, world=4), mode="exact", world=4, offload_optimizer=True,
                      host_limit=45 * GiB, host_ram=512 * GiB, host_budget=45 * GiB, gpu_capacity=80 * GiB)
     assert off.refuse and "on top of the optimizer state that offload already holds" in off.refuse
-    universal = check_load(ck(40 * GiB, 10 * GiB, deepspeed=True), mode="universal", world=2,
-                           offload_optimizer=True, host_limit=1, host_ram=1, host_budget=1, gpu_capacity=None)
-    assert universal.refuse is None, "universal loads per parameter: not judged by whole files"
+    lean = check_load(ck(40 * GiB, 10 * GiB, deepspeed=True), mode="universal", world=2, lean=True,
+                      offload_optimizer=True, host_limit=1, host_ram=1, host_budget=1, gpu_capacity=None)
+    assert lean.refuse is None and lean.note is None, "a lean universal load reads per parameter"
+
+
+def test_a_universal_load_holds_the_old_rank_0_file_on_every_rank():
+    """The reproduced load-time OOM (test_real_load_oom): said before launch, with the numbers."""
+    u = check_load(ck(155 << 20, 155 << 20, deepspeed=True), mode="universal", world=2, offload_optimizer=False,
+                   host_limit=None, host_ram=8 * GiB, host_budget=200 << 20, gpu_capacity=None)
+    assert u.refuse is None and "each of the 2 ranks hold the old rank 0's whole optimizer file" in u.note
+    assert "universal_load" in u.note
 
 
 def test_an_impossible_resume_is_refused_before_launch_with_the_numbers(daemon_factory, tmp_path):
