@@ -311,6 +311,8 @@ def _attempt_paint(a: AttemptSpan, attempts: Sequence[AttemptSpan], end: float):
         rate = None
         if len(steps) >= 2 and steps[-1][0] > steps[0][0]:
             rate = (steps[-1][1] - steps[0][1]) / (steps[-1][0] - steps[0][0])
+        elif a.steps_per_s:  # one step seen (the last one after a resume): its duration from the trainer log
+            rate = 1.0 / a.steps_per_s
         if steps[0][0] > start_step and rate is not None:
             # The first mark is the END of the first steps: their compute came before it.
             steps.insert(0, (start_step, max(s, first_t - rate * (steps[0][0] - start_step))))

@@ -24,6 +24,7 @@ from supervisor.intake.llamafactory.launch import VISIBILITY_VARS
 from supervisor.judge.kinds import kind_of
 from supervisor.judge.load_check import LoadCheck, check_load
 from supervisor.judge.policy.render import (
+    DS_UNIVERSAL_FIX_ENV,
     EMERGENCY_CKPT_ENV,
     RenderedAttempt,
     render_attempt,
@@ -176,6 +177,8 @@ def plan_attempt(facts: JobFacts) -> Refuse | AttemptPlan:
         rendering = dataclasses.replace(rendering, deepspeed=merged(ds_now, resume.deepspeed), notes=(
             *rendering.notes, "DeepSpeed: the attempt's own copy of the job's DeepSpeed config with "
             f"{_keys(resume.deepspeed)} merged, to resume from the universal checkpoint"))
+        if resume.checkpoint is not None and resume.checkpoint.zero_stage == 3:
+            rendering = dataclasses.replace(rendering, env={**rendering.env, DS_UNIVERSAL_FIX_ENV: "1"})
     if fit.note and (synced := _synced_batch_fields(deepspeed_of(rendering, facts.job_deepspeed), launched,
                                                     spec, facts.world_size)) is not None:
         rendering = dataclasses.replace(rendering, deepspeed=synced, notes=(

@@ -89,6 +89,14 @@ def test_an_attempt_without_marks_is_estimated_from_its_rate():
     assert g.total.buckets["productive"] == 40 and g.total.buckets["startup"] == 60
 
 
+def test_a_resumed_attempt_that_logs_a_single_step_counts_its_duration_from_the_trainer_log():
+    """Seen in the demo night: the last attempt resumed at 8 and trained step 9 alone; one mark, so
+    the step's time came out as start-up. Its rate from trainer_log.jsonl gives the step's time."""
+    a = AttemptSpan(3, 0, 30, "success", 8, 9, 9, steps_per_s=0.1, marks=Marks(steps=((9, 25.0),)))
+    g = job_goodput(JobRecord(1, "d", 0, ((0, "running"), (30, "succeeded")), (a,)), now=30)
+    assert g.total.buckets["productive"] == 10 and g.total.buckets["startup"] == 20
+
+
 def test_a_night_adds_its_jobs():
     a = AttemptSpan(1, 0, 10, "success", None, 5, 5, marks=Marks(steps=steps(1, 5, 5)))
     g1 = job_goodput(JobRecord(1, "a", 0, ((0, "running"), (10, "succeeded")), (a,)), now=10)
