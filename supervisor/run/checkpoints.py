@@ -460,6 +460,8 @@ print(os.path.getsize(backup), os.path.getsize(src))
 
 
 def _slim_optimizer_state(fx: Fixup, python: str, run_as=None) -> str:
+    from supervisor.run.identity import as_user_kwargs
+
     assert fx.backup is not None
     if fx.backup.exists() and fx.path.exists():
         return f"{fx.path} already slimmed (original kept as {fx.backup.name})"
