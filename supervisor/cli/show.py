@@ -59,6 +59,23 @@ def _exit_text(e: dict | None) -> str:
     return s
 
 
+def _secs(s: float) -> str:
+    s = round(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else (f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s")
+
+
+def time_line(t: dict[str, Any] | None) -> str | None:
+    """'2m05s = start-up 20s, productive 1m30s (72%), checkpoint saves 5s, ...' (goodput buckets)."""
+    if not t or not t.get("wall_s"):
+        return None
+    from supervisor.judge.goodput import BUCKETS, LABELS
+
+    wall = t["wall_s"]
+    parts = [f"{LABELS[b]} {_secs(v)}" + (f" ({v / wall:.0%})" if b == "productive" else "")
+             for b in BUCKETS if (v := (t.get("buckets") or {}).get(b) or 0) >= 0.5]
+    return f"{_secs(wall)} = " + ", ".join(parts)
+
+
 def attempt_panel(a: dict[str, Any]) -> Panel:
     lines = Text()
     dur = a.get("duration_s")
@@ -84,6 +101,10 @@ def attempt_panel(a: dict[str, Any]) -> Panel:
         lines.append("\n")
     if a.get("emergency_checkpoint"):
         lines.append(a["emergency_checkpoint"] + "\n")
+    spent = time_line(a.get("time"))
+    if spent:
+        lines.append("time: ", style="bold")
+        lines.append(spent + "\n")
     rates = []
     if a.get("steps_per_s"):
         rates.append(f"{a['steps_per_s']:.3f} steps/s")
@@ -138,6 +159,12 @@ def print_timeline(data: dict[str, Any], console: Console | None = None) -> None
     console.print(head)
     if data.get("reason"):
         console.print(Text(f"why: {data['reason']}"))
+    g = data.get("goodput")
+    if g and g.get("wall_s"):
+        line = Text()
+        line.append(f"goodput {g['goodput']:.0%}" if g.get("goodput") is not None else "goodput -", style="bold")
+        line.append(f" (productive training / wall time): {time_line(g)}")
+        console.print(line)
     prev_changes = False
     for a in data["attempt_list"]:
         console.print(attempt_panel({**a, "changes_said": prev_changes}))
@@ -157,7 +184,8 @@ def print_timeline(data: dict[str, Any], console: Console | None = None) -> None
         console.print(line, overflow="fold")
 
 
-_PANEL_EVENTS = ("attempt_started", "attempt_ended", "fatal_detected")
+_PANEL_EVENTS = ("attempt_started", "attempt_ended", "fatal_detected",
+                 "attempt_timing")  # (raw marks for the goodput lines; in --json)
 
 
 def _in_a_panel(e: dict[str, Any]) -> bool:

@@ -22,7 +22,18 @@ def job_summary(store, job) -> dict[str, Any]:
         "last_diagnosis": diag.get("category") if diag else None,
         "reason": job.reason, "submitted_at": job.submitted_at, "updated_at": job.updated_at,
         "not_before": job.not_before,
+        "goodput": _goodput(store, job),
     }
+
+
+def _goodput(store, job) -> dict[str, Any] | None:
+    """Where the job's wall time went (supervisor.judge.goodput); None if it cannot be read."""
+    from supervisor.record.timing import goodput_dict
+
+    try:
+        return goodput_dict(store, job)
+    except Exception:  # a view must show the rest of the record whatever one computation does
+        return None
 
 
 def _short_remedy(attempt) -> str | None:
@@ -54,5 +65,9 @@ def job_timeline(store, job_id: int) -> dict[str, Any]:
     for a in attempts:  # what the start-up hook saved when the attempt ran out of memory
         a["emergency_checkpoint"] = next((e["message"] for e in events if e["kind"] == "emergency_checkpoint"
                                           and e["attempt"] == a["number"]), None)
-    return {**job_summary(store, job), "workdir": job.workdir, "source": job.source,
+    summary = job_summary(store, job)
+    per = ((summary.get("goodput") or {}).get("attempts") or {})
+    for a in attempts:  # the attempt's own time and the wait just before it
+        a["time"] = per.get(str(a["number"]))
+    return {**summary, "workdir": job.workdir, "source": job.source,
             "attempt_list": attempts, "events": events}

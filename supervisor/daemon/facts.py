@@ -194,10 +194,26 @@ class Facts:
         return str(cand) if cand and cand.exists() else None
 
     def world_size(self, spec: jobspec_mod.JobSpec, gpus: list[int] | None = None) -> int:
-        """Ranks per node the launch really runs (a remedy must never change it)."""
+        """Ranks per node the launch really runs (a remedy must never change it). On fewer GPUs
+        than the job asked for (the policy's `fewer_gpus`), its ranks shrink with them."""
+        asked = JobContext(id=0, name="", kind=spec.kind, config={}, world_size=spec.world_size,
+                           **self.backend.launch_fields(spec, None, self.environment(spec, None))
+                           ).launched_world_size()
+        if gpus is None:
+            return asked
+        wanted = spec.sup.gpu_count or (len(spec.sup.gpus) if spec.sup.gpus else None)
+        if wanted and len(gpus) < wanted:
+            return max(1, asked * len(gpus) // wanted)
         return JobContext(id=0, name="", kind=spec.kind, config={}, world_size=spec.world_size,
                           **self.backend.launch_fields(spec, gpus, self.environment(spec, gpus))
                           ).launched_world_size()
+
+    def writers_world(self, job_id: int) -> int | None:
+        """The ranks every earlier attempt of the job ran with, when they all agree (then a
+        checkpoint missing a rank's files is incomplete for sure); None when unknown or mixed."""
+        seen = {(json.loads(e.data) if e.data else {}).get("world_size")
+                for e in self.store.events(job_id) if e.kind == "attempt_started"}
+        return seen.pop() if len(seen) == 1 and None not in seen else None
 
     def context(self, job: JobRow, spec: jobspec_mod.JobSpec) -> JobContext:
         """What the pure policy may know about the job and the box."""
@@ -243,19 +259,29 @@ class Facts:
         escalation = Overrides.from_dict(json.loads(job.next_overrides)) if job.next_overrides else None
         learned = self.learned_start(job, spec, policy) if (number == 1 and escalation is None and kind.learns) else None
         world = self.world_size(spec, gpus)
+        asked = self.world_size(spec, None)
         resume = None
         output_dir = kind.output_dir(spec) if kind.resumes else None
         if output_dir is not None:
-            from supervisor.run.checkpoints import scan_output_dir
+            from supervisor.judge.user_resume import user_value
+            from supervisor.run.checkpoints import inspect_path, scan_output_dir
 
             prev = self.store.last_attempt(job.id)
-            resume = ResumeFacts(scan=scan_output_dir(output_dir, expected_world_size=world),
+            named = user_value(spec.config)
+            user = (inspect_path(spec.resolve(named), output_dir)
+                    if named is not None and named not in ("true", "false", "auto") else None)
+            resume = ResumeFacts(scan=scan_output_dir(output_dir, expected_world_size=self.writers_world(job.id)),
                                  prev_overrides=Overrides.from_dict(prev.json("overrides")) if prev else None,
-                                 transformers_version=self.versions(spec).get("transformers"))
+                                 transformers_version=self.versions(spec).get("transformers"), user=user)
+        vm = psutil.virtual_memory()
+        capacities = self.backend.gpu_capacities() or {}
+        mine = [capacities[g] for g in (gpus if gpus is not None else spec.sup.gpus or capacities) if g in capacities]
         return JobFacts(
+            host_ram_bytes=vm.total, host_used_by_others_bytes=vm.total - vm.available,
+            gpu_capacity_bytes=min(mine) if mine else None,
             job_id=job.id, number=number, spec=spec, policy=policy, policy_error=policy_error,
             escalation=escalation, learned=learned, crash_interruptions=self.crash_interruptions(job.id),
-            max_interruptions=self.cfg.max_interruptions, world_size=world,
+            max_interruptions=self.cfg.max_interruptions, world_size=world, asked_world_size=asked,
             launcher=tuple(self.launcher_for(spec)), attempt_dir=attempt_dir, base_env=self.base_env(),
             visibility=self.visibility(spec, gpus), job_deepspeed=self.job_deepspeed(spec), resume=resume,
             default_hang_timeout=self.cfg.hang_timeout)

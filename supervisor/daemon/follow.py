@@ -7,6 +7,7 @@ member of the attempt's owner gone, or the scheduler's terminal state).
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from supervisor.core.paths import AttemptPaths
 from supervisor.daemon.journal import Journal
 from supervisor.intake.jobspec import JobSpec
 from supervisor.judge.diagnosis import LogScanner
+from supervisor.judge.goodput import TimingMarks
 from supervisor.run.logfollow import LogFollower
 from supervisor.service.logsetup import log
 
@@ -69,6 +71,7 @@ class Active:
     limit_killed: bool = False  # stopped for going over host_memory_limit (sampled, no cgroup)
     scheduler: dict | None = None  # the scheduler's own verdict (Slurm), read once it is over
     identity: Any = None  # a shared box: the submitter it runs as (run.identity.Identity)
+    marks: TimingMarks = field(default_factory=TimingMarks)  # when steps, loads and saves were seen (goodput)
 
     def __post_init__(self) -> None:
         if self.log is None:
@@ -135,7 +138,8 @@ class Follower:
                 and now - act.last_output_mono > act.hang_timeout):
             self.journal.event(act.job_id, "hang_detected",
                                f"no output and no step advance for {act.hang_timeout:.0f}s (last step "
-                               f"{act.last_step}); stopping the attempt", attempt=act.number)
+                               f"{act.last_step}); stopping the attempt", attempt=act.number,
+                               hang_timeout=act.hang_timeout)
             self.stop(act, "hang", self.stop_grace)
         return False
 
@@ -213,14 +217,18 @@ class Follower:
         for chunk in act.log.read(budget_bytes, budget_s):
             act.last_output_mono = time.monotonic()
             act.fatal.extend(act.scanner.feed(chunk))
+            now = self.clock()
+            step = act.scanner.last_step
+            if step is not None and (act.last_step is None or step > act.last_step):
+                act.last_step = step
+                close_save(act)
+                act.marks.on_step(now, step)
+            act.marks.on_text(now, chunk)
         if act.log.notes:
             act.last_output_mono = time.monotonic()
             for note in act.log.notes:
                 self.journal.event(act.job_id, "log_changed", note, attempt=act.number)
             act.log.notes.clear()
-        step = act.scanner.last_step
-        if step is not None and (act.last_step is None or step > act.last_step):
-            act.last_step = step
 
     def read_to_end(self, act: Active) -> None:
         """The attempt is over: read what is left (a flood backlog only by its tail)."""
@@ -248,6 +256,34 @@ class Follower:
                                f"its host_memory_limit of {gib(limit)} (no cgroup here: enforced on the sampled "
                                "sum); stopping the attempt", attempt=act.number, rss_bytes=rss, limit_bytes=limit)
             self.stop(act, "memory_limit", 0.0)
+
+
+def close_save(act: Active) -> None:
+    """A save seen beginning ended when its checkpoint's files were last written."""
+    pending = act.marks.pending_save()
+    if pending is None:
+        return
+    begin, where = pending
+    path = Path(where)
+    if not path.is_absolute() and act.spec is not None:
+        path = act.spec.resolve(where)
+    end = saved_at(path, begin)
+    if end is not None:
+        act.marks.close_save(end)
+
+
+def saved_at(path: Path, begin: float) -> float | None:
+    """When a save into `path` finished: trainer_state.json is written last into a checkpoint
+    (transformers' _save_checkpoint); for the final model, the newest file of the folder."""
+    try:
+        return max(t for t in [(path / "trainer_state.json").stat().st_mtime] if t >= begin - 1)
+    except (OSError, ValueError):
+        pass
+    try:
+        times = [e.stat().st_mtime for e in os.scandir(path) if e.is_file()]
+    except OSError:
+        return None
+    return max((t for t in times if t >= begin - 1), default=None)
 
 
 def gib(n: int) -> str:

@@ -91,6 +91,7 @@ class Daemon:
     said_blocked: set = field(default_factory=set)
     unrecovered: dict[int, str] = field(default_factory=dict)  # job id -> why it could not be taken back
     output_dirs: dict[int, str | None] = field(default_factory=dict)
+    gpu_waits: dict[int, float] = field(default_factory=dict)  # job id -> since when it waits for GPUs
     last_tick_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -427,17 +428,51 @@ class Daemon:
                 return False, None  # something holds the whole box
             taken |= set(act.gpus)
         if sup.gpus is not None:
-            return not (set(sup.gpus) & taken), list(sup.gpus)
-        if sup.gpu_count:
-            inventory = self._inventory()
-            if sup.gpu_count > len(inventory):
-                self._per_job(job.id, "assign GPUs", self.runner.refuse, job,
-                              f"asks for {sup.gpu_count} GPUs; this box has {len(inventory)} "
-                              f"({inventory or 'none found'}): lower `gpus:` or run it elsewhere")
-                return False, None
-            free = [d for d in inventory if d not in taken]
-            return (len(free) >= sup.gpu_count), free[:sup.gpu_count]
-        return not self.active, None
+            asked, pool, box = len(sup.gpus), [g for g in sup.gpus if g not in taken], None
+        elif sup.gpu_count:
+            box = self._inventory()
+            asked, pool = sup.gpu_count, [d for d in box if d not in taken]
+        else:
+            return not self.active, None
+        if len(pool) >= asked:
+            self.gpu_waits.pop(job.id, None)
+            return True, list(sup.gpus) if sup.gpus is not None else pool[:asked]
+        return self._short_of_gpus(job, asked, pool, box)
+
+    def _short_of_gpus(self, job: JobRow, asked: int, pool: list[int], box: list[int] | None):
+        """Fewer free GPUs than asked: wait (said once), and after the policy's `fewer_gpus.after_s`
+        run on the free ones where it allows (the plan keeps the effective batch on them)."""
+        from supervisor.judge.plan import world_keeping_batch
+        from supervisor.judge.policy.schema import FewerGpus
+
+        spec = self.runner.spec_of(job.id)
+        try:
+            fewer = self.runner.facts.policy(spec, job).fewer_gpus
+        except Exception:
+            fewer = FewerGpus()  # start() reports an unreadable policy
+        if box is not None and asked > len(box) and not fewer.allow:
+            self._per_job(job.id, "assign GPUs", self.runner.refuse, job,
+                          f"asks for {asked} GPUs; this box has {len(box)} ({box or 'none found'}): lower "
+                          "`gpus:` or run it elsewhere (its policy does not allow fewer_gpus)")
+            return False, None
+        now = self.clock()
+        since = self.gpu_waits.setdefault(job.id, now)
+        usable = world_keeping_batch(spec.config, asked, len(pool)) if pool else None
+        if since == now:
+            then = (f"after {fewer.after_s:.0f}s it runs on the free ones" + (f" ({usable})" if usable else "")
+                    + ", the effective batch kept" if fewer.allow else "it waits for them (fewer_gpus not allowed)")
+            self.store.event(job.id, "waiting_for_gpus", f"asks for {asked} GPUs; {len(pool)} free now {pool}"
+                             + (f" of the box's {box}" if box is not None else "") + f"; {then}",
+                             data={"asked": asked, "free": pool})
+        if not fewer.allow or not usable or now - since < fewer.after_s:
+            return False, None
+        self.gpu_waits.pop(job.id, None)
+        self.store.event(job.id, "fewer_gpus", f"waited {now - since:.0f}s for {asked} GPUs; running on "
+                         f"{usable} ({pool[:usable]}) as its policy allows (fewer_gpus): the effective batch is "
+                         "kept (gradient accumulation adjusted), a checkpoint of another world size is resumed "
+                         "through DeepSpeed's universal format where it is a ZeRO one",
+                         data={"asked": asked, "gpus": pool[:usable], "waited_s": round(now - since, 3)})
+        return True, pool[:usable]
 
     def _inventory(self) -> list[int]:
         if self.cfg.gpu_devices is not None:
@@ -465,10 +500,10 @@ class Daemon:
             log.exception("vram_wait_failed", job=job.id)
             return True
         if res.released is False:
-            self.store.event(job.id, "vram_not_released", res.message)
+            self.store.event(job.id, "vram_not_released", res.message, data={"waited_s": res.waited_s})
             self.runner.journal.notify(job.id, "vram_not_released", res.message)
         elif res.released and res.waited_s >= 1.0:
-            self.store.event(job.id, "vram_released", res.message)
+            self.store.event(job.id, "vram_released", res.message, data={"waited_s": res.waited_s})
         return True
 
     def _pool(self):

@@ -9,6 +9,7 @@ takes one back after a restart (`recovery.py`). The runner holds no backend or j
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -162,8 +163,14 @@ class Runner:
                                f"{inc.path.name} is incomplete ({inc.reason}); moved aside to {moved}",
                                attempt=n, path=str(moved))
         if resume.checkpoint is not None or resume.mode != "fresh":
-            for done in apply_fixups(resume, python=self.facts.job_python(plan.spec), run_as=self.facts._acting):
-                self.journal.event(job_id, "resume_fixup", done, attempt=n)
+            for fx in resume.fixups:
+                began = time.monotonic()
+                done = apply_fixups(dataclasses.replace(resume, fixups=(fx,)), python=self.facts.job_python(plan.spec),
+                                    run_as=self.facts._acting)
+                took = time.monotonic() - began
+                for text in done:  # a conversion's time is checkpoint-load time (goodput)
+                    self.journal.event(job_id, "resume_fixup", text, attempt=n, fixup=fx.kind,
+                                       seconds=round(took, 3) if fx.kind == "ds_to_universal" else None)
         for ev in plan.before_launch:
             self.journal.event(job_id, ev.kind, ev.message, attempt=n, **ev.data)
         if plan.retention is not None and plan.output_dir is not None:
@@ -216,6 +223,7 @@ class Runner:
         self.journal.event(job.id, "attempt_started", f"attempt {n}: {' '.join(plan.rendered.argv)}", attempt=n,
                            pid=launched.handle.pid, changes=[c.to_dict() for c in plan.rendered.changes],
                            memory_limit=spec.sup.host_memory_limit, limit_mechanism=res.mechanism,
+                           world_size=plan.world_size,
                            ownership=res.owner.mechanism if res.owner is not None else self.backend.name)
         act.vram = self.backend.telemetry(launched.handle, gpus)
         return act

@@ -82,10 +82,15 @@ class Verdicts:
         if emergency is not None and emergency.steps_saved and emergency.step is not None:
             # The hook saved the last finished step: that checkpoint is what this attempt kept.
             fields["checkpoint_step_after"] = max(emergency.step, progress.get("checkpoint_step_after") or 0)
+        self.follower_close_save(act)
         with self.store.tx():
             self.store.update_attempt(act.job_id, act.number, **fields)
             self.record_telemetry(act, emergency, vram)
             self.record_scheduler(act)
+            # When steps, checkpoint loads and saves were seen: the goodput buckets (judge.goodput).
+            self.store.event(act.job_id, "attempt_timing", f"attempt {act.number}: {len(act.marks.steps)} step "
+                             f"marks, {len(act.marks.loads)} checkpoint loads, {len(act.marks.saves)} saves seen",
+                             attempt=act.number, data=act.marks.to_dict())
             self.journal.event(act.job_id, "attempt_ended",
                                f"attempt {act.number} ended: {exit_words(exit_rec)}; diagnosis {diagnosis.category}"
                                + (f"/{diagnosis.subkind}" if diagnosis.subkind else "") + f": {diagnosis.summary}",
@@ -96,6 +101,15 @@ class Verdicts:
         if decision is not None and this is not None:
             self.observe(act, this, diagnosis, host, progress)
         self.backend.cleanup(act.handle)
+
+    def follower_close_save(self, act: Active) -> None:
+        """A save still open when the attempt ended (the final model's) ends at its files' time."""
+        from supervisor.daemon.follow import close_save
+
+        try:
+            close_save(act)
+        except Exception:
+            log.exception("save_time_unreadable", job=act.job_id)
 
     def exit_evidence(self, act: Active) -> tuple[dict[str, Any], str | None]:
         """The exit record's fields (the shim's, every node's judged together, else the

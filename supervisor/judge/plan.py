@@ -22,14 +22,16 @@ from supervisor.core.models import Overrides
 from supervisor.intake.jobspec import JobSpec
 from supervisor.intake.llamafactory.launch import VISIBILITY_VARS
 from supervisor.judge.kinds import kind_of
+from supervisor.judge.load_check import LoadCheck, check_load
 from supervisor.judge.policy.render import (
-    DS_CONFIG,
+    DS_UNIVERSAL_FIX_ENV,
     EMERGENCY_CKPT_ENV,
     RenderedAttempt,
     render_attempt,
 )
 from supervisor.judge.policy.schema import Policy
-from supervisor.judge.resume import Incomplete, ResumePlan, Scan, plan_resume, run_shape
+from supervisor.judge.resume import ARCHIVE_DIR, Fixup, Incomplete, ResumePlan, Scan, plan_resume, run_shape
+from supervisor.judge.user_resume import UserCheckpoint, choose_checkpoint, user_value
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ResumeFacts:
     scan: Scan  # the output folder as it is now
     prev_overrides: Overrides | None  # what the attempt that wrote the newest checkpoint ran with
     transformers_version: str | None  # of the job's own environment
+    user: UserCheckpoint | None = None  # what is at the job's own resume_from_checkpoint path, if any
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class JobFacts:
     crash_interruptions: int = 0
     max_interruptions: int = 5
     world_size: int = 1  # ranks the launch really has
+    asked_world_size: int | None = None  # ranks it has with every GPU it asked for (None: the same)
     launcher: tuple[str, ...] = ()
     attempt_dir: Path = Path(".")
     base_env: Mapping[str, str] = field(default_factory=dict)  # what every job starts from
@@ -77,6 +81,10 @@ class JobFacts:
     job_deepspeed: Mapping[str, Any] | None = None  # the job's own DeepSpeed config, read at the edge
     resume: ResumeFacts | None = None
     default_hang_timeout: float = 0.0
+    # The box, for the check that a checkpoint can be loaded at all (judge.load_check).
+    host_ram_bytes: int | None = None
+    host_used_by_others_bytes: int | None = None
+    gpu_capacity_bytes: int | None = None  # per GPU of the attempt; None: no GPU
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ class AttemptPlan:
     output_dir: Path | None
     hang_timeout: float
     resume: ResumePlan | None = None
+    world_size: int = 1  # ranks it is launched with
     quarantine: tuple[Incomplete, ...] = ()
     retention: tuple[int, int] | None = None  # (keep_quarantined, keep_archived) when reclaiming
     before_launch: tuple[PlannedEvent, ...] = ()  # recorded once the resume is prepared
@@ -129,26 +138,55 @@ def plan_attempt(facts: JobFacts) -> Refuse | AttemptPlan:
         return chosen
     overrides, source = chosen
     output_dir = kind.output_dir(spec) if kind.resumes else None
+    asked = facts.asked_world_size or facts.world_size
+    fit = fit_world(spec, overrides, asked=asked, world=facts.world_size) if kind.learns else WorldFit()
+    if isinstance(fit, Refuse):
+        return fit
+    launched = fit.apply(overrides)  # what really runs on this world size (recorded: `overrides`)
 
     resume = None
     before: list[PlannedEvent] = []
+    if fit.note:
+        before.append(PlannedEvent("world_size_change", fit.note, {"asked": asked, "world": facts.world_size,
+                                                                   "yaml": dict(fit.yaml)}))
     if output_dir is not None and facts.resume is not None:
-        planned = plan_the_resume(facts, overrides)
+        planned = plan_the_resume(facts, overrides, launched=launched)
         if isinstance(planned, Refuse):
             return planned
         resume = planned
+        if resume.user_note:
+            before.append(PlannedEvent("resume_choice", resume.user_note))
         if resume.checkpoint is not None or resume.mode != "fresh":
             before.append(PlannedEvent("resume_plan", resume.reason,
                                        {"mode": resume.mode, "semantic_change": resume.semantic_change}))
         if resume.semantic_change:
             before.append(PlannedEvent("semantic_change", f"TRAINING SEMANTICS CHANGE: {resume.semantic_change}"))
+        load = load_check_of(facts, launched, resume)
+        if load.refuse:
+            return Refuse(f"cannot resume: {load.refuse}")
+        if load.note:
+            before.append(PlannedEvent("load_check", load.note, load.numbers))
 
+    rendering = launched
+    ds_now = deepspeed_of(launched, facts.job_deepspeed)
+    if resume is not None and resume.deepspeed:
+        if ds_now is None:
+            return Refuse(f"the resume needs DeepSpeed settings {sorted(resume.deepspeed)} but attempt "
+                          f"{facts.number} runs without DeepSpeed")
+        # The attempt's own copy of its DeepSpeed JSON (the user's file is never edited).
+        rendering = dataclasses.replace(rendering, deepspeed=merged(ds_now, resume.deepspeed), notes=(
+            *rendering.notes, "DeepSpeed: the attempt's own copy of the job's DeepSpeed config with "
+            f"{_keys(resume.deepspeed)} merged, to resume from the universal checkpoint"))
+        if resume.checkpoint is not None and resume.checkpoint.zero_stage == 3:
+            rendering = dataclasses.replace(rendering, env={**rendering.env, DS_UNIVERSAL_FIX_ENV: "1"})
+    if fit.note and (synced := _synced_batch_fields(deepspeed_of(rendering, facts.job_deepspeed), launched,
+                                                    spec, facts.world_size)) is not None:
+        rendering = dataclasses.replace(rendering, deepspeed=synced, notes=(
+            *rendering.notes, f"DeepSpeed: explicit batch fields of the attempt's copy set for {facts.world_size} ranks"))
     try:
-        rendered = render_attempt(spec, with_policy_switches(overrides, facts.policy),
+        rendered = render_attempt(spec, with_policy_switches(rendering, facts.policy),
                                   attempt_dir=facts.attempt_dir,
                                   resume_yaml=dict(resume.yaml) if resume else {}, launcher=list(facts.launcher))
-        if resume is not None and resume.deepspeed:
-            merge_deepspeed(rendered.files, resume.deepspeed)
     except Exception as exc:
         return Refuse(f"cannot render attempt {facts.number}: {exc}")
     mismatched = kind.check(rendered, spec, world_size=facts.world_size, user_deepspeed=facts.job_deepspeed)
@@ -157,18 +195,20 @@ def plan_attempt(facts: JobFacts) -> Refuse | AttemptPlan:
                       "refuses together: " + "; ".join(map(str, mismatched)))
 
     remedy = remedy_text(overrides)
+    if fit.note:
+        remedy = f"{remedy}; {fit.note}" if remedy else fit.note
     plan = AttemptPlan(
         number=facts.number, spec=spec, overrides=overrides, source=source, rendered=rendered,
         env=compose_environment(facts.base_env, spec.sup.env, rendered.env, facts.visibility),
         output_dir=output_dir, hang_timeout=spec.sup.hang_timeout or facts.default_hang_timeout,
-        resume=resume, quarantine=tuple(facts.resume.scan.incomplete) if resume is not None else (),
+        resume=resume, world_size=facts.world_size, quarantine=tuple(facts.resume.scan.incomplete) if resume is not None else (),
         retention=((facts.policy.retention.keep_quarantined, facts.policy.retention.keep_archived)
                    if resume is not None and facts.policy is not None else None),
         before_launch=tuple(before), remedy=remedy)
     learned_why = facts.learned.why if source == "learned" and facts.learned else None
     at_start = ((PlannedEvent("learned_plan", learned_why, {"overrides": overrides.to_dict()}),)
                 if learned_why else ())
-    started = (f"attempt {facts.number} started" + (f" (remedy: {remedy})" if overrides.rungs else "")
+    started = (f"attempt {facts.number} started" + (f" (remedy: {remedy})" if remedy else "")
                + (f", resuming from {plan.resumed_from}" if plan.resumed_from else "")
                + (f"; {learned_why}" if learned_why else ""))
     return dataclasses.replace(plan, at_start=at_start, started=started)
@@ -187,28 +227,66 @@ def choose_overrides(facts: JobFacts, *, learns: bool) -> Refuse | tuple[Overrid
     return Overrides(), "job"
 
 
-def plan_the_resume(facts: JobFacts, overrides: Overrides) -> Refuse | ResumePlan:
-    """How the attempt continues from the newest complete checkpoint (or why it cannot)."""
+def plan_the_resume(facts: JobFacts, overrides: Overrides, *, launched: Overrides | None = None
+                    ) -> Refuse | ResumePlan:
+    """How the attempt continues from the newest complete checkpoint (or why it cannot).
+    `launched`: the overrides fitted to the world size it really runs on (default: `overrides`)."""
     assert facts.resume is not None and facts.spec is not None
     if facts.policy is None:
         return Refuse(f"cannot plan the resume: {facts.policy_error}")
     r = facts.resume
     spec = facts.spec
+    launched = launched or overrides
+    output_dir = kind_of(spec).output_dir(spec)
+    choice = choose_checkpoint(user_value(spec.config), scan=r.scan, user=r.user,
+                               first_attempt=facts.number == 1, output_dir=output_dir)
+    if choice.refuse:
+        return Refuse(choice.refuse)
+    asked = facts.asked_world_size or facts.world_size
     try:
-        nxt = run_shape({**spec.config, **overrides.yaml}, world_size=facts.world_size,
-                        deepspeed_cfg=deepspeed_of(overrides, facts.job_deepspeed))
-        prev = (run_shape({**spec.config, **r.prev_overrides.yaml}, world_size=facts.world_size,
-                          deepspeed_cfg=deepspeed_of(r.prev_overrides, facts.job_deepspeed))
-                if r.prev_overrides is not None else None)
-        plan = plan_resume(r.scan.latest, prev=prev, nxt=nxt, transformers_version=r.transformers_version,
+        nxt = run_shape({**spec.config, **launched.yaml}, world_size=facts.world_size,
+                        deepspeed_cfg=deepspeed_of(launched, facts.job_deepspeed))
+        nxt = dataclasses.replace(nxt, lean_load="universal_load" in launched.rungs)
+        prev = None
+        if r.prev_overrides is not None:
+            # The run that wrote the checkpoint, on the ranks that wrote it, as fitted to them.
+            ck_world = (choice.checkpoint.world_size if choice.checkpoint is not None else None) or facts.world_size
+            fitted = fit_world(spec, r.prev_overrides, asked=asked, world=ck_world)
+            was = fitted.apply(r.prev_overrides) if isinstance(fitted, WorldFit) else r.prev_overrides
+            prev = run_shape({**spec.config, **was.yaml}, world_size=ck_world,
+                             deepspeed_cfg=deepspeed_of(was, facts.job_deepspeed))
+        plan = plan_resume(choice.checkpoint, prev=prev, nxt=nxt, transformers_version=r.transformers_version,
                            allow_weights_only=facts.policy.allow_weights_only,
                            allow_universal=facts.policy.allow_universal_checkpoint,
-                           archive_name=f"attempt-{facts.number}")
+                           archive_name=f"attempt-{facts.number}", output_dir=output_dir)
     except Exception as exc:
         return Refuse(f"cannot plan the resume: {exc}")
     if plan.mode == "refuse":
         return Refuse(plan.reason)
+    if choice.archive_above is not None and output_dir is not None:
+        above = None if choice.archive_above < 0 else choice.archive_above
+        name = f"attempt-{facts.number}-" + ("before-this-job" if above is None else f"newer-than-step-{above}")
+        plan = dataclasses.replace(plan, fixups=(Fixup("archive_checkpoints", output_dir, value=above,
+                                                       target=output_dir / ARCHIVE_DIR / name), *plan.fixups))
+    if choice.note:
+        plan = dataclasses.replace(plan, user_note=choice.note)
     return plan
+
+
+def load_check_of(facts: JobFacts, launched: Overrides, resume: ResumePlan) -> LoadCheck:
+    """The optimizer state the resume must load, against the host's and the GPUs' memory."""
+    assert facts.spec is not None
+    shape = run_shape({**facts.spec.config, **launched.yaml}, world_size=facts.world_size,
+                      deepspeed_cfg=deepspeed_of(launched, facts.job_deepspeed))
+    limit = facts.spec.sup.host_memory_limit
+    budget = limit
+    if budget is None and facts.host_ram_bytes:
+        reserve = facts.policy.host_ram_reserve if facts.policy is not None else 0.1
+        budget = max(0, int(facts.host_ram_bytes * (1 - reserve)) - (facts.host_used_by_others_bytes or 0))
+    return check_load(resume.checkpoint, mode=resume.mode, world=facts.world_size,
+                      offload_optimizer=shape.offload_optimizer, host_limit=limit, host_ram=facts.host_ram_bytes,
+                      host_budget=budget, gpu_capacity=facts.gpu_capacity_bytes,
+                      lean="universal_load" in launched.rungs)
 
 
 def deepspeed_of(overrides: Overrides, job_deepspeed: Mapping[str, Any] | None) -> dict | None:
@@ -225,20 +303,87 @@ def with_policy_switches(overrides: Overrides, policy: Policy | None) -> Overrid
     return overrides
 
 
-def merge_deepspeed(files: dict[str, str], keys: Mapping[str, Any]) -> None:
-    """Resume needs DeepSpeed keys (e.g. load_universal) in the attempt's generated JSON."""
-    import json
-
-    if DS_CONFIG not in files:
-        raise RuntimeError("the resume needs DeepSpeed settings "
-                           f"{sorted(keys)} but this attempt has no generated DeepSpeed config")
-    cfg = json.loads(files[DS_CONFIG])
+def merged(cfg: Mapping[str, Any], keys: Mapping[str, Any]) -> dict[str, Any]:
+    """`cfg` with `keys` merged in (one level deep: `checkpoint: {load_universal: true}` keeps the
+    section's other keys)."""
+    out = dict(cfg)
     for k, v in keys.items():
-        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
-            cfg[k] = {**cfg[k], **v}
-        else:
-            cfg[k] = v
-    files[DS_CONFIG] = json.dumps(cfg, indent=2) + "\n"
+        out[k] = {**out[k], **v} if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def _keys(keys: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in keys.items())
+
+
+# --------------------------------------------------------------------------- world size
+
+
+@dataclass(frozen=True)
+class WorldFit:
+    """What an attempt on `world` ranks changes so that the effective batch stays what it is on
+    the ranks the job asked for: gradient accumulation first, the micro-batch only downwards."""
+
+    yaml: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    note: str | None = None
+
+    def apply(self, overrides: Overrides) -> Overrides:
+        if not self.yaml and not self.env:
+            return overrides
+        return dataclasses.replace(overrides, yaml={**overrides.yaml, **self.yaml}, env={**overrides.env, **self.env})
+
+
+def batch_split(config: Mapping[str, Any], overrides: Overrides) -> tuple[int, int]:
+    cfg = {**config, **overrides.yaml}
+    return int(cfg.get("per_device_train_batch_size", 8)), int(cfg.get("gradient_accumulation_steps", 1))
+
+
+def fit_world(spec: JobSpec, overrides: Overrides, *, asked: int, world: int) -> WorldFit | Refuse:
+    """Keep micro x accumulation x ranks exactly when the attempt runs on `world` ranks instead of
+    the `asked` ones (a GPU taken, faulted or removed; `fewer_gpus` in the policy)."""
+    if world == asked or world < 1:
+        return WorldFit()
+    micro, accum = batch_split(spec.config, overrides)
+    effective = micro * accum * asked
+    if effective % world:
+        return Refuse(f"runs on {world} ranks instead of {asked}, and its effective batch {micro}x{accum}x{asked} "
+                      f"= {effective} cannot be split exactly over {world}: wait for the GPUs it asked for, or "
+                      "change the batch or `gpus:`")
+    per_rank = effective // world
+    new_micro = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
+    new_accum = per_rank // new_micro
+    yaml: dict[str, Any] = {}
+    if new_micro != micro:
+        yaml["per_device_train_batch_size"] = new_micro
+    if new_accum != accum:
+        yaml["gradient_accumulation_steps"] = new_accum
+    env = {}
+    if "NPROC_PER_NODE" in {**spec.sup.env, **overrides.env} or spec.sup.nproc_per_node:
+        env["NPROC_PER_NODE"] = str(world)  # the ranks are pinned: pin them to what it really has
+    changed = ", ".join([f"per_device_train_batch_size {micro} -> {new_micro}"] * (new_micro != micro)
+                        + [f"gradient_accumulation_steps {accum} -> {new_accum}"] * (new_accum != accum))
+    note = (f"world size {asked} -> {world}: {changed or 'no batch change'}; effective batch "
+            f"{micro}x{accum}x{asked} = {new_micro}x{new_accum}x{world} = {effective} kept")
+    return WorldFit(yaml, env, note)
+
+
+def world_keeping_batch(config: Mapping[str, Any], asked: int, free: int) -> int | None:
+    """The most ranks, at most `free`, over which the job's effective batch splits exactly."""
+    micro, accum = batch_split(config, Overrides())
+    effective = micro * accum * asked
+    return next((k for k in range(min(free, asked), 0, -1) if effective % k == 0), None)
+
+
+def _synced_batch_fields(ds: Mapping[str, Any] | None, launched: Overrides, spec: JobSpec,
+                         world: int) -> dict[str, Any] | None:
+    """The DeepSpeed config with its explicit batch fields set for `world` ranks (None: none)."""
+    if not ds:
+        return None
+    from supervisor.intake.deepspeed_config import with_batch_fields
+
+    micro, accum = batch_split(spec.config, launched)
+    return with_batch_fields(ds, micro=micro, accum=accum, world_size=world)
 
 
 def compose_environment(base: Mapping[str, str], job_env: Mapping[str, str], attempt_env: Mapping[str, str],
@@ -267,6 +412,8 @@ def remedy_text(overrides: Overrides) -> str | None:
     counted = [f"{n} x{overrides.rungs.count(n)}" if overrides.rungs.count(n) > 1 else n for n in names]
     settings = [f"{k}={v}" for k, v in overrides.yaml.items()]
     if overrides.deepspeed is not None:
-        settings.append("deepspeed=generated ZeRO-3 config")
+        settings.append("deepspeed=the attempt's own ds_config.json"
+                        + (" (checkpoint.load_universal)" if "universal_load" in overrides.rungs else
+                           " (generated ZeRO-3)"))
     settings += [f"{k}={v}" for k, v in overrides.env.items() if k.endswith("ALLOC_CONF")][:1]
     return " + ".join(counted) + (f" ({', '.join(settings)})" if settings else "")

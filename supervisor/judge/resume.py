@@ -50,6 +50,10 @@ class Checkpoint:
     ds_tag: str | None = None
     max_steps: int | None = None
     fsdp: str | None = None  # "sharded" | "full" | "local" (the FSDP state-dict type), else None
+    # Sizes on disk (bytes) of the optimizer state (optimizer.pt, or every rank's ZeRO shard) and of
+    # its largest file: what loading it must hold in memory (judge.load_check). None: not measured.
+    optimizer_bytes: int | None = None
+    largest_optimizer_file: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class RunShape:
     micro_batch: int
     grad_accum: int
     finetuning_type: str
+    load_universal: bool = False  # its DeepSpeed config reads checkpoints in the universal format
+    lean_load: bool = False  # a universal load without the old rank 0's whole optimizer file (universal_load)
+    round_robin: bool = False  # ZeRO-1/2 `round_robin_gradients` (universal is wrong with it on > 1 rank)
 
     @property
     def effective_batch(self) -> int:
@@ -95,9 +102,12 @@ class Fixup:
     * `patch_train_batch_size`: set trainer_state.json `train_batch_size` to `value`, keeping the
       original as `backup` (only the first backup is kept, so repeating is harmless);
     * `archive_checkpoints`: move every `checkpoint-N` folder of `path` (the output dir) into
-      `target`, so LLaMA-Factory cannot auto-resume from one;
+      `target`, so LLaMA-Factory cannot auto-resume from one; with `value` (a step), only those
+      newer than that step (and no final weights);
     * `ds_to_universal`: run DeepSpeed's converter on `path`'s `ds_tag` into `target` and write
-      `latest_universal` next to it.
+      `latest_universal` next to it;
+    * `slim_universal_optimizer_state`: rewrite the universal checkpoint's `zero/optimizer_state.pt`
+      (`path`) without the tensors the ZeRO-3 loader does not read, keeping the original as `backup`.
     """
 
     kind: str
@@ -110,9 +120,14 @@ class Fixup:
         if self.kind == "patch_train_batch_size":
             return f"set train_batch_size={self.value} in {self.path} (original kept as {self.backup})"
         if self.kind == "archive_checkpoints":
+            if self.value is not None:
+                return f"move the checkpoint-N of {self.path} newer than step {self.value} into {self.target}"
             return f"move every checkpoint-N of {self.path} into {self.target}"
         if self.kind == "ds_to_universal":
             return f"convert {self.path}/{self.value} to a universal checkpoint in {self.target}"
+        if self.kind == "slim_universal_optimizer_state":
+            return (f"slim {self.path} to what the ZeRO-3 universal loader reads (the step and the param groups), "
+                    "so no rank loads the old rank 0's whole optimizer state")
         return f"{self.kind} {self.path}"
 
 
@@ -135,6 +150,7 @@ class ResumePlan:
     semantic_change: str | None = None
     deepspeed: Mapping[str, Any] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    user_note: str | None = None  # how the job's own resume_from_checkpoint was read (judge.user_resume)
 
 
 # Must hold for every plan: an explicit resume path (never auto-resume), and the output dir kept
@@ -158,11 +174,15 @@ def run_shape(config: Mapping[str, Any], *, world_size: int, deepspeed_cfg: Mapp
     Defaults are LLaMA-Factory's: micro-batch 8, accumulation 1, finetuning_type lora.
     """
     stage = off_opt = off_par = None
+    universal = round_robin = False
     if deepspeed_cfg is not None:
         zero = deepspeed_cfg.get("zero_optimization") or {}
         stage = int(zero.get("stage", 0))
         off_opt = _offloaded(zero.get("offload_optimizer"))
         off_par = _offloaded(zero.get("offload_param"))
+        section = deepspeed_cfg.get("checkpoint")
+        universal = isinstance(section, Mapping) and bool(section.get("load_universal"))
+        round_robin = isinstance(zero, Mapping) and bool(zero.get("round_robin_gradients"))
     return RunShape(
         deepspeed_stage=stage,
         offload_optimizer=bool(off_opt),
@@ -171,6 +191,8 @@ def run_shape(config: Mapping[str, Any], *, world_size: int, deepspeed_cfg: Mapp
         micro_batch=int(config.get("per_device_train_batch_size", 8)),
         grad_accum=int(config.get("gradient_accumulation_steps", 1)),
         finetuning_type=str(config.get("finetuning_type", "lora")),
+        load_universal=universal,
+        round_robin=round_robin and stage in (1, 2),
     )
 
 
@@ -202,6 +224,7 @@ def plan_resume(
     allow_weights_only: bool = False,
     allow_universal: bool = False,
     archive_name: str | None = None,
+    output_dir: Path | None = None,
 ) -> ResumePlan:
     """Decide, before launch, how the next attempt (shape `nxt`) continues from `ckpt`.
 
@@ -210,17 +233,20 @@ def plan_resume(
     default never continues weights-only: that needs `allow_weights_only` and is always reported
     in `semantic_change`. `archive_name` names the folder (under .supervisor-archive/) that
     superseded checkpoints move to when the plan sets them aside; pass something unique per
-    attempt (default: derived from the step).
+    attempt (default: derived from the step). `output_dir` is the folder whose checkpoints are
+    set aside (default: the checkpoint's own folder; it differs when the user named a checkpoint
+    of another run).
     """
     if ckpt is None:
         return ResumePlan("fresh", None, {"resume_from_checkpoint": None, "overwrite_output_dir": False},
                           "no complete checkpoint: start from step 0", notes=RENDERER_NOTES)
     archive_name = archive_name or f"superseded-at-step-{ckpt.step}"
+    out = output_dir or ckpt.path.parent
     if prev is not None and prev.finetuning_type != nxt.finetuning_type:
-        return _restart(ckpt, f"finetuning_type changed ({prev.finetuning_type} -> {nxt.finetuning_type}):"
+        return _restart(ckpt, out, f"finetuning_type changed ({prev.finetuning_type} -> {nxt.finetuning_type}):"
                         " the checkpoint's weights/adapter do not fit the new run", archive_name)
     if ckpt.adapter != (nxt.finetuning_type in _ADAPTER_METHODS) and ckpt.has_weights:
-        return _restart(ckpt, f"checkpoint holds {'an adapter' if ckpt.adapter else 'full weights'}"
+        return _restart(ckpt, out, f"checkpoint holds {'an adapter' if ckpt.adapter else 'full weights'}"
                         f" but the next run is finetuning_type={nxt.finetuning_type}", archive_name)
 
     src_stage = ckpt.zero_stage if ckpt.deepspeed else None
@@ -228,26 +254,55 @@ def plan_resume(
     dst_stage = nxt.deepspeed_stage
 
     why_not = _optimizer_state_incompatibility(ckpt, src_stage, src_world, prev, nxt)
-    if why_not is None:
+    # Verified here for ZeRO-3 with a world-size change (2 ranks -> 1 -> 2, tests/checkpoints/
+    # test_real_world_size.py). Stage changes via universal were not run: not offered.
+    same_layout = src_stage in (2, 3) and dst_stage is not None and (src_stage == 3) == (dst_stage == 3)
+    if why_not is None and nxt.load_universal and ckpt.deepspeed and same_layout:
+        why_not = "the attempt loads ZeRO checkpoints through DeepSpeed's universal format (per parameter)"
+    elif why_not is None:
         return _exact(ckpt, prev, nxt, transformers_version)
 
-    # Verified here for ZeRO-3 with a world-size change (2 ranks -> 1: converted in 2 s, resumed
-    # with the LR schedule continuing). Stage changes via universal were not run: not offered.
-    same_layout = src_stage in (2, 3) and dst_stage is not None and (src_stage == 3) == (dst_stage == 3)
-    if allow_universal and ckpt.deepspeed and same_layout and src_world != nxt.world_size:
+    scrambled = _round_robin_trap(src_stage, src_world, prev, nxt)
+    if (allow_universal and ckpt.deepspeed and same_layout and not scrambled
+            and (src_world != nxt.world_size or nxt.load_universal)):
         tag = ckpt.ds_tag or f"global_step{ckpt.step}"
         target = ckpt.path / f"{tag}_universal"
+        fixups = [Fixup("ds_to_universal", ckpt.path, value=tag, target=target)]
+        keys: dict[str, Any] = {"checkpoint": {"load_universal": True}}
+        reason = f"{why_not}; converting to a DeepSpeed universal checkpoint keeps optimizer state"
+        if dst_stage in (1, 2) and nxt.world_size > 1:
+            keys["zero_optimization"] = {"round_robin_gradients": False}  # else the load is silently wrong
+            reason += " (round_robin_gradients off: the universal mapping assumes the natural order)"
+        if nxt.lean_load and dst_stage == 3:
+            state = target / "zero" / "optimizer_state.pt"
+            fixups.append(Fixup("slim_universal_optimizer_state", state,
+                                backup=state.with_name("optimizer_state.pt.supervisor-orig")))
+            reason += "; loaded lean: no rank holds the old rank 0's whole optimizer file"
         return ResumePlan(
             "universal", ckpt,
             {"resume_from_checkpoint": str(ckpt.path), "overwrite_output_dir": False},
-            reason=f"{why_not}; converting to a DeepSpeed universal checkpoint keeps optimizer state",
-            fixups=(Fixup("ds_to_universal", ckpt.path, value=tag, target=target),),
-            deepspeed={"checkpoint": {"load_universal": True}},
+            reason=reason, fixups=tuple(fixups), deepspeed=keys,
             notes=RENDERER_NOTES + ("merge `deepspeed` into the attempt's DeepSpeed JSON",),
         )
+    if scrambled:
+        why_not += f"; {scrambled}"
     if allow_weights_only:
-        return _weights_only(ckpt, nxt, why_not, archive_name)
-    return _restart(ckpt, f"{why_not}; weights-only continuation not allowed by policy", archive_name)
+        return _weights_only(ckpt, out, nxt, why_not, archive_name)
+    return _restart(ckpt, out, f"{why_not}; weights-only continuation not allowed by policy", archive_name)
+
+
+def _round_robin_trap(src_stage: int | None, src_world: int | None, prev: RunShape | None,
+                      nxt: RunShape) -> str | None:
+    """Measured (DeepSpeed 0.19.8): a ZeRO-1/2 checkpoint written with `round_robin_gradients: true`
+    (LLaMA-Factory's ds_z2 preset) on more than one rank converts to universal with scrambled fp32
+    weights, silently: the flat buffer is in round-robin order, the mapping assumes the natural one."""
+    if src_stage != 2 or not src_world or src_world < 2:
+        return None
+    was = prev.round_robin if prev is not None else nxt.round_robin
+    if not was:
+        return None
+    return (f"its {src_world}-rank ZeRO-2 shards were written with round_robin_gradients: DeepSpeed's "
+            "universal conversion of them is silently wrong, so it is not used")
 
 
 def _optimizer_state_incompatibility(
@@ -288,6 +343,13 @@ def _exact(ckpt: Checkpoint, prev: RunShape | None, nxt: RunShape, tf_version: s
         semantic = (f"effective batch changes {prev.effective_batch} -> {nxt.effective_batch}:"
                     " the data position and LR schedule after step"
                     f" {ckpt.step} no longer match the original run")
+    if ckpt.world_size and ckpt.world_size != nxt.world_size and not ckpt.deepspeed:
+        # Measured 2 -> 1 (losses within 1e-6, lr identical): transformers looks for rng_state.pth on
+        # one rank and rng_state_<rank>.pth on several, so a layout change finds none.
+        reason += (f"; world size {ckpt.world_size} -> {nxt.world_size}: the weights, the optimizer state "
+                   "(one optimizer.pt, per parameter, not per rank), the LR schedule, the step and the data "
+                   "position carry over (the effective batch is kept); the RNG state does not (no RNG file of "
+                   "the new layout: harmless without dropout)")
     old_tbs = ckpt.train_batch_size
     if old_tbs is not None and old_tbs != nxt.micro_batch:
         version = parse_version(tf_version)
@@ -307,7 +369,7 @@ def _exact(ckpt: Checkpoint, prev: RunShape | None, nxt: RunShape, tf_version: s
     )
 
 
-def _weights_only(ckpt: Checkpoint, nxt: RunShape, why_not: str, archive_name: str) -> ResumePlan:
+def _weights_only(ckpt: Checkpoint, out: Path, nxt: RunShape, why_not: str, archive_name: str) -> ResumePlan:
     if nxt.deepspeed_stage is None and ckpt.deepspeed and ckpt.has_weights:
         # transformers itself does this when a DeepSpeed checkpoint meets a non-DeepSpeed run:
         # weights, global step, data position and RNG continue; optimizer and LR schedule restart.
@@ -322,10 +384,10 @@ def _weights_only(ckpt: Checkpoint, nxt: RunShape, why_not: str, archive_name: s
             notes=RENDERER_NOTES,
         )
     if not ckpt.has_weights:
-        return _restart(ckpt, f"{why_not}; and {ckpt.path.name} has no consolidated weights"
+        return _restart(ckpt, out, f"{why_not}; and {ckpt.path.name} has no consolidated weights"
                         " (ZeRO-3 without stage3_gather_16bit_weights_on_model_save)", archive_name)
-    archive = _archive(ckpt, archive_name)
-    moved = archive.target / ckpt.path.name
+    archive = _archive(out, archive_name)
+    moved = archive.target / ckpt.path.name if ckpt.path.parent == out else ckpt.path
     key = "adapter_name_or_path" if ckpt.adapter else "model_name_or_path"
     return ResumePlan(
         "weights_only", ckpt,
@@ -345,8 +407,8 @@ def _weights_only(ckpt: Checkpoint, nxt: RunShape, why_not: str, archive_name: s
     )
 
 
-def _restart(ckpt: Checkpoint, reason: str, archive_name: str) -> ResumePlan:
-    archive = _archive(ckpt, archive_name)
+def _restart(ckpt: Checkpoint, out: Path, reason: str, archive_name: str) -> ResumePlan:
+    archive = _archive(out, archive_name)
     return ResumePlan(
         "restart", ckpt, {"resume_from_checkpoint": None, "overwrite_output_dir": False},
         reason=reason + f"; checkpoints are archived under {archive.target}, not deleted",
@@ -356,12 +418,11 @@ def _restart(ckpt: Checkpoint, reason: str, archive_name: str) -> ResumePlan:
     )
 
 
-def _archive(ckpt: Checkpoint, archive_name: str) -> Fixup:
+def _archive(out: Path, archive_name: str) -> Fixup:
     """Move every `checkpoint-N` of the output dir out of LLaMA-Factory's sight.
 
     Without it LLaMA-Factory auto-resumes from the highest one (resume_from_checkpoint unset).
     """
-    out = ckpt.path.parent
     return Fixup("archive_checkpoints", out, target=out / ARCHIVE_DIR / archive_name)
 
 

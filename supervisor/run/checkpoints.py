@@ -196,6 +196,10 @@ def inspect_checkpoint(
         return Incomplete(path, step, "no rng_state*.pth")
 
     tbs = state.get("train_batch_size")
+    if deepspeed and ds_tag:
+        optim = _file_sizes(path / ds_tag, _OPTIM_SHARD_RE)
+    else:
+        optim = _file_sizes(path, re.compile(r"^optimizer\.(?:pt|bin)$"))
     return Checkpoint(
         path=path,
         step=step,
@@ -208,7 +212,44 @@ def inspect_checkpoint(
         has_optimizer=has_optimizer,
         ds_tag=ds_tag,
         max_steps=state.get("max_steps") if isinstance(state.get("max_steps"), int) else None,
+        optimizer_bytes=sum(optim) if optim else None,
+        largest_optimizer_file=max(optim) if optim else None,
     )
+
+
+def _file_sizes(folder: Path, pattern: re.Pattern[str]) -> list[int]:
+    """Sizes of the files in `folder` whose names match (stat only: nothing is read)."""
+    out = []
+    try:
+        for e in os.scandir(folder):
+            if pattern.match(e.name) and e.is_file():
+                out.append(e.stat().st_size)
+    except OSError:
+        return []
+    return out
+
+
+def inspect_path(path: Path, output_dir: Path | None = None):
+    """What is at a path a user named as `resume_from_checkpoint` (a `UserCheckpoint`).
+
+    Its step comes from a `checkpoint-N` name, else from its trainer_state.json; a folder outside
+    output_dir comes with a scan of the folder that holds it (where a replacement would be)."""
+    from supervisor.judge.user_resume import UserCheckpoint
+
+    path = Path(path)
+    if not path.exists():
+        return UserCheckpoint(path, None)
+    m = CHECKPOINT_RE.match(path.name)
+    step = int(m.group(1)) if m else None
+    if step is None:
+        try:
+            step = json.loads((path / TRAINER_STATE).read_text()).get("global_step")
+        except (OSError, ValueError, AttributeError):
+            step = None
+    found = (inspect_checkpoint(path, step) if isinstance(step, int)
+             else Incomplete(path, None, f"no readable {TRAINER_STATE} with a global_step"))
+    siblings = None if output_dir is not None and path.parent == Path(output_dir) else scan_output_dir(path.parent)
+    return UserCheckpoint(path, found, siblings)
 
 
 def _inspect_fsdp(path: Path, names: set[str]) -> tuple[str, set[int], bool] | str | None:
@@ -332,6 +373,8 @@ def apply_fixups(plan: ResumePlan, *, python: str | None = None, run_as=None) ->
             done.extend(_archive_checkpoints(fx))
         elif fx.kind == "ds_to_universal":
             done.append(_ds_to_universal(fx, python or sys.executable, run_as))
+        elif fx.kind == "slim_universal_optimizer_state":
+            done.append(_slim_optimizer_state(fx, python or sys.executable, run_as))
         else:
             raise ValueError(f"unknown fixup kind {fx.kind!r}")
     return done
@@ -345,8 +388,10 @@ def _archive_checkpoints(fx: Fixup) -> list[str]:
     """
     assert fx.target is not None
     entries = os.listdir(fx.path)
-    names = sorted(n for n in entries if CHECKPOINT_RE.match(n) and (fx.path / n).is_dir())
-    finals = sorted(n for n in entries if _FINAL_WEIGHTS_RE.match(n) and (fx.path / n).is_file())
+    names = sorted(n for n in entries if (m := CHECKPOINT_RE.match(n)) and (fx.path / n).is_dir()
+                   and (fx.value is None or int(m.group(1)) > fx.value))
+    finals = [] if fx.value is not None else sorted(
+        n for n in entries if _FINAL_WEIGHTS_RE.match(n) and (fx.path / n).is_file())
     if names and fx.target.exists() and any((fx.target / n).exists() for n in names):
         raise FileExistsError(f"{fx.target} already holds {names}: refusing to merge archives")
     fx.target.mkdir(parents=True, exist_ok=True)
@@ -382,14 +427,49 @@ def _ds_to_universal(fx: Fixup, python: str, run_as=None) -> str:
     if not fx.target.is_dir():
         tmp = fx.target.with_name(fx.target.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)  # our own leftover from an interrupted conversion
+        # --inject_missing_state: ZeRO-1/2 checkpoints written through transformers carry no
+        # `universal_checkpoint_info` and the converter asserts without it (ZeRO-3 ignores the flag).
         subprocess.run(
-            [python, "-m", "deepspeed.checkpoint.ds_to_universal",
+            [python, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
              "--input_folder", str(fx.path / fx.value), "--output_folder", str(tmp)],
             check=True, capture_output=True, text=True, **as_user_kwargs(run_as),
         )
         os.rename(tmp, fx.target)
+    # The converter names the `.partial` folder here; every universal resume writes it again.
     _atomic_write(fx.path / "latest_universal", fx.target.name)
     return fx.describe()
+
+
+# Run in the job's interpreter (the daemon never imports torch): keep what DeepSpeed's ZeRO-3
+# universal loader reads from zero/optimizer_state.pt (the step, the param groups, the loss-scaler
+# scalars: stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3) and drop the old rank 0's
+# whole optimizer state, which every rank would otherwise hold while it loads.
+_SLIM = """
+import os, sys, torch
+src, backup = sys.argv[1], sys.argv[2]
+sd = torch.load(src, weights_only=False, map_location="cpu")
+osd = sd["optimizer_state_dict"]
+osd["state"] = {k: {"step": v["step"]} for k, v in osd["state"].items() if "step" in v}
+sd.pop("fp32_flat_groups", None)
+if not os.path.exists(backup):
+    os.replace(src, backup)
+torch.save(sd, src + ".tmp")
+os.replace(src + ".tmp", src)
+print(os.path.getsize(backup), os.path.getsize(src))
+"""
+
+
+def _slim_optimizer_state(fx: Fixup, python: str, run_as=None) -> str:
+    from supervisor.run.identity import as_user_kwargs
+
+    assert fx.backup is not None
+    if fx.backup.exists() and fx.path.exists():
+        return f"{fx.path} already slimmed (original kept as {fx.backup.name})"
+    res = subprocess.run([python, "-c", _SLIM, str(fx.path), str(fx.backup)], check=True, capture_output=True,
+                         text=True, **as_user_kwargs(run_as))
+    before, after = (int(x) for x in res.stdout.split()[-2:])
+    return (f"{fx.describe()}: {before / (1 << 20):.1f} MiB -> {after / 1024:.1f} KiB (original kept as "
+            f"{fx.backup.name})")
 
 
 def _atomic_write(path: Path, text: str) -> None:

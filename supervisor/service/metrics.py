@@ -23,6 +23,7 @@ from supervisor.run.fsutil import atomic_write_bytes
 PREFIX = "oom_supervisor"
 OOM_CATEGORIES = ("gpu_oom", "host_oom")
 RECORD_REFRESH_S = 5.0
+GOODPUT_WINDOW_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,40 @@ def record_families(store) -> list:
     quarantined = c.execute("SELECT COUNT(*) FROM events WHERE kind='checkpoint_quarantined'").fetchone()[0]
     fam.append(CounterMetricFamily(f"{PREFIX}_checkpoints_quarantined",
                                    "Incomplete checkpoints moved aside", value=quarantined))
+    fam += goodput_families(store)
     return fam
+
+
+def goodput_families(store, *, now: float | None = None, window_s: float = GOODPUT_WINDOW_S) -> list:
+    """Where the wall time of the jobs active in the last `window_s` went (supervisor.judge.goodput):
+    gauges, since a running attempt's steps move from productive to redone if it fails."""
+    from supervisor.judge.goodput import BUCKETS, breakdown
+    from supervisor.record.timing import goodput_of
+
+    now = time.time() if now is None else now
+    jobs = [j for j in store.jobs() if not j.state.terminal or j.updated_at >= now - window_s]
+    per = []
+    for j in jobs:
+        try:
+            per.append((j, goodput_of(store, j, now=now)))
+        except Exception:  # one unreadable job must not take the metrics down
+            continue
+    night = breakdown(g.total for _j, g in per)
+    seconds = GaugeMetricFamily(f"{PREFIX}_time_seconds", "Wall time of the jobs active in the last 24 h, by "
+                                "where it went (queued, waiting_gpus, startup, checkpoint_load, productive, "
+                                "checkpoint_save, redone, failed, hang, backoff, held); adds up to their wall time",
+                                labels=["bucket"])
+    for b in BUCKETS:
+        seconds.add_metric([b], round(night.buckets.get(b, 0.0), 3))
+    ratio = GaugeMetricFamily(f"{PREFIX}_goodput_ratio", "Productive training time / wall time of the jobs "
+                              "active in the last 24 h (NaN: none)", value=night.goodput if night.goodput is not None
+                              else float("nan"))
+    job_ratio = GaugeMetricFamily(f"{PREFIX}_job_goodput_ratio", "Productive training time / wall time of a job "
+                                  "that has not ended (by id: names are not labels)", labels=["job"])
+    for j, g in per:
+        if not j.state.terminal and g.total.goodput is not None:
+            job_ratio.add_metric([str(j.id)], round(g.total.goodput, 4))
+    return [seconds, ratio, job_ratio]
 
 
 def running_families(store, running: list[RunningJob] = (), *, names: bool = False) -> list:

@@ -28,6 +28,7 @@ from supervisor.run.progress import TRAINER_LOG, _parse_lines, parse_elapsed
 from supervisor.service.escape import markdown_text
 
 GiB = float(1 << 30)
+NIGHT_KEY, NIGHT_IMAGE = -1, "night-goodput.png"  # the night's picture, among the jobs' (keyed by job id)
 FAILED_OUTCOMES_SKIP = ("success", "running", "interrupted")
 
 
@@ -71,6 +72,7 @@ class JobView:
     total_steps: int | None
     attempts: list[AttemptView]
     log_note: str | None = None     # why the loss curve is missing, when it is
+    goodput: Any = None             # supervisor.judge.goodput.JobGoodput: where its wall time went
 
     @property
     def ooms(self) -> int:
@@ -108,6 +110,13 @@ class Night:
     since: float | None
     host: str
     jobs: list[JobView]
+
+    @property
+    def goodput(self):
+        """The jobs' buckets added up (job-hours, not clock hours, where jobs overlap)."""
+        from supervisor.judge.goodput import breakdown
+
+        return breakdown(j.goodput.total for j in self.jobs if j.goodput is not None)
 
 
 # --- gathering (I/O) -----------------------------------------------------------------------
@@ -147,6 +156,7 @@ def collect(store: Store, state: StatePaths, job_ids: list[int] | None = None, *
                 peak_gpu=peak_gpu, gpu_capacity=cap, steps_per_s=a.steps_per_s, tokens_per_s=a.tokens_per_s))
         view = JobView(job.id, job.name, str(job.state), job.reason,
                        next((a.total_steps for a in reversed(rows) if a.total_steps), None), attempts)
+        view.goodput = _goodput(store, job, now)
         out = _output_dir(state, job)
         if out is None:
             view.log_note = "no output_dir (not a LLaMA-Factory job): no loss curve"
@@ -159,6 +169,15 @@ def collect(store: Store, state: StatePaths, job_ids: list[int] | None = None, *
                 view.log_note = f"{out / TRAINER_LOG} not found: no loss curve"
         jobs.append(view)
     return Night(generated_at=now, since=since, host=socket.gethostname(), jobs=jobs)
+
+
+def _goodput(store: Store, job, now: float):
+    from supervisor.record.timing import goodput_of
+
+    try:
+        return goodput_of(store, job, now=now)
+    except Exception:  # the rest of the report stands without it
+        return None
 
 
 def _output_dir(state: StatePaths, job) -> Path | None:
@@ -330,6 +349,77 @@ def job_figure(job: JobView) -> bytes | None:
     return buf.getvalue()
 
 
+# Goodput buckets, in the order they stack (kept work first, then the cost of failures, then waits).
+BUCKET_COLORS = {
+    "productive": "#2ca02c", "checkpoint_save": "#9467bd", "checkpoint_load": "#1f77b4", "startup": "#aec7e8",
+    "redone": "#ff7f0e", "failed": "#d62728", "hang": "#8c1c13", "backoff": "#e7ba52", "waiting_gpus": "#7f7f7f",
+    "queued": "#c7c7c7", "held": "#525252",
+}
+
+
+def goodput_rows(night: Night) -> list[tuple[str, Any]]:
+    """(label, Breakdown) per job with a breakdown, then the night's total."""
+    rows = [(f"job {j.id} {j.name}", j.goodput.total) for j in night.jobs if j.goodput is not None]
+    if rows:
+        rows.append(("night (all jobs)", night.goodput))
+    return rows
+
+
+def night_figure(night: Night) -> bytes | None:
+    """One stacked bar per job and one for the night: the share of wall time in each bucket."""
+    rows = [(label, b) for label, b in goodput_rows(night) if b.wall_s > 0]
+    if not rows:
+        return None
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from supervisor.judge.goodput import LABELS
+
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.55 * len(rows)), dpi=100, layout="constrained")
+    ys = list(range(len(rows)))[::-1]
+    used = set()
+    for y, (label, b) in zip(ys, rows):
+        left = 0.0
+        for bucket, color in BUCKET_COLORS.items():
+            share = b.buckets.get(bucket, 0.0) / b.wall_s
+            if share <= 0:
+                continue
+            ax.barh(y, share * 100, left=left, color=color, edgecolor="white", linewidth=0.5, height=0.62,
+                    label=LABELS[bucket] if bucket not in used else None)
+            if share >= 0.07:
+                ax.text(left + share * 50, y, f"{share:.0%}", ha="center", va="center", fontsize=8,
+                        color="white" if bucket in ("productive", "failed", "hang", "held", "checkpoint_load",
+                                                     "checkpoint_save", "waiting_gpus") else "#222")
+            used.add(bucket)
+            left += share * 100
+    ax.set_yticks(ys, [f"{label}\n{_dur(b.wall_s)}, goodput {b.goodput or 0:.0%}" for label, b in rows], fontsize=9)
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of wall time (%)")
+    ax.set_title("where the time went: productive training / wall time = goodput")
+    if len(rows) > 1:
+        ax.axhline(ys[-1] + 0.5, color="#333", lw=0.8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 4 else -0.15), ncol=6, fontsize=8,
+              frameon=False)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def goodput_table(night: Night) -> list[list[str]]:
+    from supervisor.judge.goodput import BUCKETS, LABELS
+
+    rows = goodput_rows(night)
+    used = [b for b in BUCKETS if any(bd.buckets.get(b, 0) >= 0.5 for _, bd in rows)]
+    head = ["", "wall time", "goodput", *(LABELS[b] for b in used)]
+    return [head] + [[label, _dur(b.wall_s), "-" if b.goodput is None else f"{b.goodput:.1%}",
+                      *(_dur(b.buckets.get(x, 0.0)) for x in used)] for label, b in rows]
+
+
 # --- rendering -------------------------------------------------------------------------------
 
 def _ts(t: float | None) -> str:
@@ -401,6 +491,11 @@ def render_markdown(night: Night, images: dict[int, str]) -> str:
     md = markdown_text
     out = [f"# {md(_title(night))}", "", f"Generated {_ts(night.generated_at)}.", "", "## The night", "",
            _md_table(night_rows(night)), ""]
+    if goodput_rows(night):
+        out += ["## Where the time went", ""]
+        if NIGHT_IMAGE in images.values():
+            out += [f"![where the time went]({NIGHT_IMAGE})", ""]
+        out += [_md_table(goodput_table(night)), ""]
     for j in night.jobs:
         out += [f"## Job {j.id}: {md(j.name)} ({md(j.state)})", ""]
         if j.reason:
@@ -429,6 +524,12 @@ def render_html(night: Night, pngs: dict[int, bytes]) -> str:
               f"<style>{CSS}</style></head><body>"), f"<h1>{html.escape(_title(night))}</h1>",
              f"<p class='muted'>Generated {html.escape(_ts(night.generated_at))}.</p>",
              "<h2>The night</h2>", _html_table(night_rows(night))]
+    if goodput_rows(night):
+        parts.append("<h2>Where the time went</h2>")
+        if NIGHT_KEY in pngs:
+            b64 = base64.b64encode(pngs[NIGHT_KEY]).decode()
+            parts.append(f"<img alt='where the time went' src='data:image/png;base64,{b64}'>")
+        parts.append(_html_table(goodput_table(night)))
     if not night.jobs:
         parts.append("<p>No jobs in this period.</p>")
     for j in night.jobs:
@@ -455,6 +556,11 @@ def write_report(night: Night, out_dir: Path) -> tuple[Path, Path]:
     """report.html (self-contained) and report.md (+ job-N.png) in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs, images = {}, {}
+    png = night_figure(night)
+    if png is not None:
+        pngs[NIGHT_KEY] = png
+        (out_dir / NIGHT_IMAGE).write_bytes(png)
+        images[NIGHT_KEY] = NIGHT_IMAGE
     for j in night.jobs:
         png = job_figure(j)
         if png is not None:
@@ -462,7 +568,7 @@ def write_report(night: Night, out_dir: Path) -> tuple[Path, Path]:
             name = f"job-{j.id}.png"
             (out_dir / name).write_bytes(png)
             images[j.id] = name
-    if night.jobs and not pngs:
+    if night.jobs and not (set(pngs) - {NIGHT_KEY}):
         for j in night.jobs:  # say why there is no picture rather than leaving a hole
             j.log_note = j.log_note or "no plots: matplotlib is not installed (pip install 'oom-supervisor[report]')"
     html_path, md_path = out_dir / "report.html", out_dir / "report.md"

@@ -209,3 +209,35 @@ def test_universal_is_not_offered_for_a_zero_stage_change():
     plan = plan_resume(c, prev=None, nxt=shape(stage=3, world=1), transformers_version="5.6.0",
                        allow_universal=True)
     assert plan.mode == "restart"
+
+
+# --- universal checkpoints (measured: /work/notes/universal-ckpt.md, tests/checkpoints/test_real_*) ----------
+
+def test_a_zero2_world_size_change_turns_round_robin_gradients_off_in_the_target():
+    plan = plan_resume(ckpt(deepspeed=True, zero_stage=2, world=1), prev=shape(2, 4, world=1, stage=2),
+                       nxt=shape(2, 2, world=2, stage=2), transformers_version="5.6.0", allow_universal=True)
+    assert plan.mode == "universal"
+    assert plan.deepspeed == {"checkpoint": {"load_universal": True},
+                              "zero_optimization": {"round_robin_gradients": False}}
+
+
+def test_zero2_shards_written_with_round_robin_on_two_ranks_are_never_converted():
+    """LLaMA-Factory's ds_z2 preset: the conversion of such shards is silently wrong."""
+    rr = replace(shape(2, 2, world=2, stage=2), round_robin=True)
+    plan = plan_resume(ckpt(deepspeed=True, zero_stage=2, world=2), prev=rr, nxt=shape(2, 4, world=1, stage=2),
+                       transformers_version="5.6.0", allow_universal=True)
+    assert plan.mode == "restart" and "round_robin_gradients" in plan.reason
+    one = plan_resume(ckpt(deepspeed=True, zero_stage=2, world=1), prev=replace(rr, world_size=1),
+                      nxt=shape(2, 2, world=2, stage=2), transformers_version="5.6.0", allow_universal=True)
+    assert one.mode == "universal", "on one rank round robin changes nothing"
+
+
+def test_a_lean_zero3_universal_load_slims_the_old_optimizer_file_and_keeps_the_original():
+    nxt = replace(shape(2, 1, world=2, stage=3), lean_load=True, load_universal=True)
+    plan = plan_resume(ckpt(deepspeed=True, zero_stage=3, world=2), prev=shape(2, 1, world=2, stage=3), nxt=nxt,
+                       transformers_version="5.6.0", allow_universal=True)
+    assert plan.mode == "universal" and [f.kind for f in plan.fixups] == ["ds_to_universal",
+                                                                          "slim_universal_optimizer_state"]
+    slim = plan.fixups[1]
+    assert slim.path == OUT / "checkpoint-8" / "global_step8_universal" / "zero" / "optimizer_state.pt"
+    assert slim.backup.name == "optimizer_state.pt.supervisor-orig"

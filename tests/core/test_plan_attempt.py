@@ -18,6 +18,7 @@ from supervisor.judge.plan import (
     ResumeFacts,
     compose_environment,
     plan_attempt,
+    world_keeping_batch,
 )
 from supervisor.judge.policy import BUILTIN_POLICY_DIR, load_policy
 from supervisor.judge.resume import Checkpoint, Incomplete, Scan
@@ -99,12 +100,64 @@ def test_a_resume_the_policy_cannot_allow_refuses_or_restarts_loudly():
     assert effective(p)["resume_from_checkpoint"] is None
 
 
-def test_a_universal_resume_without_a_generated_deepspeed_config_refuses_to_render():
+def test_a_universal_resume_writes_the_attempts_own_copy_of_the_users_deepspeed_json():
+    """Issue 19: the job's own DeepSpeed JSON (no generated ds_config.json) was refused ("the resume
+    needs DeepSpeed settings ['checkpoint'] but this attempt has no generated DeepSpeed config").
+    Now the attempt gets its own copy with the key merged, and the effective batch is kept on the
+    one rank it runs on (16x1x2 = 16x2x1)."""
     ds = ckpt(deepspeed=True, zero_stage=3, world_size=2, ds_tag="global_step8")
-    zero3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}
-    out = plan_attempt(facts(lf_spec(deepspeed="ds.json"), job_deepspeed=zero3,
-                             resume=ResumeFacts(scan=Scan((ds,), ()), prev_overrides=None, transformers_version="5.6")))
-    assert isinstance(out, Refuse) and out.reason.startswith("cannot render attempt 1:") and "no generated DeepSpeed config" in out.reason
+    zero3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+             "checkpoint": {"tag_validation": "warn"}}
+    p = planned(facts(lf_spec(deepspeed="ds.json"), job_deepspeed=zero3, world_size=1, asked_world_size=2,
+                      resume=ResumeFacts(scan=Scan((ds,), ()), prev_overrides=None, transformers_version="5.6")))
+    assert p.resume.mode == "universal" and [f.kind for f in p.resume.fixups] == ["ds_to_universal"]
+    copy = json.loads(p.rendered.files["ds_config.json"])
+    assert copy == {**zero3, "checkpoint": {"tag_validation": "warn", "load_universal": True}}
+    assert zero3["checkpoint"] == {"tag_validation": "warn"}, "the user's config is never edited"
+    eff = effective(p)
+    assert eff["deepspeed"] == "/state/jobs/7/attempt-1/ds_config.json"
+    assert (eff["per_device_train_batch_size"], eff["gradient_accumulation_steps"]) == (16, 2)
+    assert p.overrides == Overrides(), "the recorded remedies stay those of the asked world size"
+    assert "world size 2 -> 1: gradient_accumulation_steps 1 -> 2; effective batch 16x1x2 = 16x2x1 = 32 kept" \
+        in p.remedy and p.remedy in p.started
+    assert [e.kind for e in p.before_launch] == ["world_size_change", "resume_plan"]
+    assert p.resume.semantic_change is None and p.world_size == 1
+
+
+def test_explicit_batch_fields_of_the_users_json_follow_the_new_world_size():
+    ds = ckpt(deepspeed=True, zero_stage=3, world_size=2, ds_tag="global_step8")
+    fixed = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 16,
+             "gradient_accumulation_steps": 1, "train_batch_size": 32}
+    p = planned(facts(lf_spec(deepspeed="ds.json"), job_deepspeed=fixed, world_size=1, asked_world_size=2,
+                      resume=ResumeFacts(scan=Scan((ds,), ()), prev_overrides=None, transformers_version="5.6")))
+    copy = json.loads(p.rendered.files["ds_config.json"])
+    assert (copy["train_micro_batch_size_per_gpu"], copy["gradient_accumulation_steps"], copy["train_batch_size"]) \
+        == (16, 2, 32) and copy["checkpoint"] == {"load_universal": True}
+
+
+def test_a_ddp_checkpoint_across_a_world_size_change_resumes_exactly_and_says_what_carries_over():
+    plain = ckpt(world_size=2)
+    p = planned(facts(world_size=1, asked_world_size=2, resume=ResumeFacts(
+        scan=Scan((plain,), ()), prev_overrides=Overrides(), transformers_version="5.6.0")))
+    assert p.resume.mode == "exact" and p.resume.semantic_change is None
+    assert "world size 2 -> 1" in p.resume.reason and "per parameter, not per rank" in p.resume.reason
+    assert effective(p)["gradient_accumulation_steps"] == 2
+
+
+def test_back_on_every_asked_gpu_nothing_is_adjusted_and_a_pinned_rank_count_follows_the_gpus():
+    assert planned(facts(world_size=2, asked_world_size=2)).remedy is None
+    pinned = lf_spec()
+    pinned = pinned.__class__(**{**pinned.__dict__, "sup": pinned.sup.model_copy(
+        update={"env": {"NPROC_PER_NODE": "4", "FORCE_TORCHRUN": "1"}})})
+    p = planned(facts(pinned, world_size=2, asked_world_size=4))
+    assert p.env["NPROC_PER_NODE"] == "2" and effective(p)["gradient_accumulation_steps"] == 2
+
+
+def test_an_effective_batch_that_cannot_be_split_over_the_ranks_left_refuses_with_numbers():
+    out = plan_attempt(facts(lf_spec(per_device_train_batch_size=3), world_size=2, asked_world_size=3))
+    assert isinstance(out, Refuse) and "3x1x3 = 9 cannot be split exactly over 2" in out.reason
+    assert world_keeping_batch({"per_device_train_batch_size": 3}, 3, 2) == 1
+    assert world_keeping_batch({"per_device_train_batch_size": 4}, 4, 3) == 2
 
 
 def test_a_yaml_and_deepspeed_json_transformers_would_refuse_together_refuse():

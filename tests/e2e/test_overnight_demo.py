@@ -89,6 +89,23 @@ def check_night(d: DaemonProc, job: dict, *, mechanism: str) -> None:
     assert any(out.glob("model*.safetensors")), sorted(p.name for p in out.iterdir())
     assert pids_with_marker(str(d.state)) == []
 
+    # 5. where the night went: buckets that add up to the wall time, per attempt and for the job
+    check_goodput(shown)
+
+
+def check_goodput(shown: dict) -> None:
+    g = shown["goodput"]
+    assert abs(sum(g["buckets"].values()) - g["wall_s"]) <= 0.01 * g["wall_s"], g
+    for a in shown["attempt_list"]:
+        t = a["time"]
+        assert abs(sum(t["buckets"].values()) - t["wall_s"]) <= 0.01 * t["wall_s"], (a["number"], t)
+    b = g["buckets"]
+    assert b["productive"] > 0 and b["startup"] > 0 and b["checkpoint_save"] > 0, b
+    assert b["checkpoint_load"] > 0, "the resumed attempts loaded checkpoint-8 ('Loading model from')"
+    assert b["failed"] + b["redone"] > 0, b  # (escalations start at once: no backoff in the demo)
+    print(f"demo night: wall {g['wall_s']:.1f}s, goodput {g['goodput']:.1%}: "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in b.items() if v))
+
 
 def test_overnight_run_survives_a_real_oom_rlimit(tmp_path):
     """Checkpoints every 5 steps: the OOM at step 9 is 4 steps after checkpoint-5, and the start-up

@@ -92,7 +92,9 @@ def test_cli_writes_html_and_markdown(tmp_path):
     res = report_cli(state.root, "1", "2", "3", "-o", str(out))
     assert res.returncode == 0, res.stderr
     html, md = (out / "report.html").read_text(), (out / "report.md").read_text()
-    assert html.count("data:image/png;base64,") == 3
+    assert html.count("data:image/png;base64,") == 4, "one picture per job, one of where the night's time went"
+    assert "<h2>Where the time went</h2>" in html and "![where the time went](night-goodput.png)" in md
+    assert "| night (all jobs) |" in md and (out / "night-goodput.png").read_bytes()[:4] == b"\x89PNG"
     assert "http://" not in html and "https://" not in html and "<script" not in html, "self-contained"
     assert "| 1 | llama-lora-zh | succeeded | 3 | 2 | micro_batch, micro_batch | 9/9 |" in md
     assert "| 2 | qwen-7b-sft | running | 2 | 1 | gradient_checkpointing | 40/100 |" in md

@@ -10,6 +10,9 @@ costs nothing when off:
                                         before exiting (emergency.py)
   OOM_SUPERVISOR_PEAK_FILE=PATH         record peak GPU memory per device into PATH (JSON) at exit
                                         and on the OOM path (peak.py)
+  OOM_SUPERVISOR_DS_UNIVERSAL_FIX=1     correct DeepSpeed's ZeRO-3 universal checkpoint load (a
+                                        shared Adam step counter, group 0's weight decay everywhere)
+                                        (ds_universal.py)
 
 Nothing heavy is imported here: the features watch for `import torch` / `transformers.trainer`
 and act only in processes that import those themselves. Then any other sitecustomize further
@@ -54,6 +57,6 @@ def _chain():
 
 
 if any(os.environ.get(v) for v in ("OOM_SUPERVISOR_MEMORY_FRACTION", "OOM_SUPERVISOR_EMERGENCY_CKPT",
-                                   "OOM_SUPERVISOR_PEAK_FILE")):
+                                   "OOM_SUPERVISOR_PEAK_FILE", "OOM_SUPERVISOR_DS_UNIVERSAL_FIX")):
     _install()
 _chain()

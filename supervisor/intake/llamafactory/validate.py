@@ -97,6 +97,11 @@ def nearest(key: str, valid: Any) -> str | None:
     return hits[0] if hits else None
 
 
+# Typed `str` in TrainingArguments, but transformers' `Trainer.train` takes a bool there too
+# (`true`: the newest checkpoint of output_dir) and LLaMA-Factory passes the value through.
+ALSO_BOOL = frozenset({"resume_from_checkpoint"})
+
+
 def env_enabled(env: Mapping[str, str] | None, name: str) -> bool:
     """LLaMA-Factory's own `is_env_enabled`: only "true", "y" and "1" (any case) count."""
     return str((env or {}).get(name, "")).strip().lower() in ("true", "y", "1")
@@ -130,7 +135,7 @@ def validate_config(config: Mapping[str, Any], *, workdir: Path, schema: str | N
             else:
                 problems.append(p)
             continue
-        msg = value_problem(value, spec)
+        msg = None if key in ALSO_BOOL and isinstance(value, bool) else value_problem(value, spec)
         if msg:
             problems.append(Problem(str(key), msg))
         elif str(key).startswith(_INFERENCE_ONLY_PREFIXES):

@@ -39,7 +39,13 @@ _RUNGS: dict[str, Callable[..., Any]] = {
     "allocator": R.allocator, "memory_fraction": R.memory_fraction, "micro_batch": R.micro_batch,
     "eval_batch": R.eval_batch, "grad_checkpointing": R.grad_checkpointing,
     "zero3_offload_optimizer": R.zero3_offload_optimizer, "zero3_offload_param": R.zero3_offload_param,
-    "cutoff_len": R.cutoff_len,
+    "cutoff_len": R.cutoff_len, "universal_load": R.universal_load,
+}
+# What can help while a checkpoint is being loaded (nothing here changes what the model learns):
+# a smaller micro-batch changes nothing there, so it is never offered for that phase.
+LOAD_TIME = {
+    "host_oom": ("universal_load",),
+    "gpu_oom": ("zero3_offload_optimizer", "zero3_offload_param", "allocator"),
 }
 _OFFLOAD = ("zero3_offload_optimizer", "zero3_offload_param")
 
@@ -82,7 +88,7 @@ def memory_picture(job: JobContext, ov: Overrides, diag: Diagnosis) -> R.Memory:
         v = R.view_of(job, ov)
         lil = job.largest_layer_params or job.param_count // 40
         ms, _ = model_states(job.param_count, lil, job.launched_world_size(), v.setup)
-        if demand is not None and diag.phase not in (Phase.MODEL_LOAD, Phase.RESUME):
+        if demand is not None and diag.phase not in (Phase.MODEL_LOAD, Phase.CHECKPOINT_LOAD):
             act = max(0, demand - ms)
     held = None
     if n.get("allocated_by_pytorch") is not None:
@@ -93,7 +99,11 @@ def memory_picture(job: JobContext, ov: Overrides, diag: Diagnosis) -> R.Memory:
 
 def _order(job: JobContext, diag: Diagnosis, policy: Policy, ov: Overrides) -> list[str]:
     ladder = list(policy.ladder)
-    if diag.category == Category.HOST_OOM:
+    if diag.phase == Phase.CHECKPOINT_LOAD:
+        # Load-time remedies only, those the ladder lists (a universal load is allowed by
+        # `allow_universal_checkpoint`: it changes how, not what, is loaded).
+        order = [r for r in LOAD_TIME[str(diag.category)] if r in ladder or r == "universal_load"]
+    elif diag.category == Category.HOST_OOM:
         first = ["micro_batch", "grad_checkpointing", "cutoff_len"]
         order = [r for r in first if r in ladder] + [r for r in ladder if r not in first and r not in _OFFLOAD
                                                       and r not in ("allocator", "memory_fraction")
@@ -101,9 +111,6 @@ def _order(job: JobContext, diag: Diagnosis, policy: Policy, ov: Overrides) -> l
     elif diag.phase == Phase.EVALUATION:
         first = ["eval_batch", "allocator", "memory_fraction"]
         order = [r for r in first if r in ladder] + [r for r in ladder if r in _OFFLOAD]
-    elif diag.phase == Phase.RESUME:
-        order = [r for r in ("zero3_offload_optimizer", "zero3_offload_param", "allocator", "memory_fraction")
-                 if r in ladder]
     elif diag.phase == Phase.MODEL_LOAD:
         first = [*(["zero3_offload_optimizer"] if job.launched_world_size() > 1 else []), "zero3_offload_param"]
         order = [r for r in first if r in ladder] + [r for r in ("memory_fraction", "allocator") if r in ladder]
@@ -354,11 +361,11 @@ def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnos
     where = f"{diag.category} in {diag.phase}"
     short = f", short by {_gib(mem.shortfall)}" if mem.shortfall is not None else ""
 
-    if diag.category == Category.HOST_OOM:
+    if diag.category == Category.HOST_OOM and diag.phase != Phase.CHECKPOINT_LOAD:
         back = _step_back(job, history, diag, policy, current)
         if back is not None:
             return back
-    if diag.category == Category.HOST_OOM and v.setup.offload_param:
+    if diag.category == Category.HOST_OOM and v.setup.offload_param and diag.phase != Phase.CHECKPOINT_LOAD:
         return _step_back_from_param_offload(job, current, diag, policy, failed, has_checkpoint)
 
     def kwargs_for(name: str) -> dict[str, Any]:
@@ -420,7 +427,10 @@ def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnos
                   f"{name} (~{_gib(frees)}): {result.what} [skipped: " + "; ".join(skipped) + "]")
         return _escalate(current, result, name, reason)
     extra = ""
-    if diag.category == Category.HOST_OOM and job.param_count:
+    if diag.phase == Phase.CHECKPOINT_LOAD:
+        extra = ("; while loading a checkpoint a smaller micro-batch frees nothing (no activations exist yet), "
+                 "so the batch is left alone")
+    elif diag.category == Category.HOST_OOM and job.param_count:
         extra = _host_ram_note(job, v.setup, policy)
     return Decision(DecisionKind.FAIL, f"{where}{short}: no remedy left in policy {policy.name!r}"
                                        f"{extra} [" + "; ".join(skipped) + "]")

@@ -28,6 +28,8 @@ HOOK_DIR = PACKAGE_DIR / "hooks" / "startup"
 # turns it off with `supervisor.env: {OOM_SUPERVISOR_EMERGENCY_CKPT: "0"}`, a policy through
 # Overrides.env with the same value.
 EMERGENCY_CKPT_ENV = "OOM_SUPERVISOR_EMERGENCY_CKPT"
+# Read by the start-up hook (ds_universal.py): "1" corrects DeepSpeed's ZeRO-3 universal load.
+DS_UNIVERSAL_FIX_ENV = "OOM_SUPERVISOR_DS_UNIVERSAL_FIX"
 EFFECTIVE_YAML = "effective.yaml"
 DS_CONFIG = "ds_config.json"
 
@@ -39,6 +41,9 @@ _WHY = {
     EMERGENCY_CKPT_ENV: "start-up hook: a catchable OOM in a one-process Trainer run saves a checkpoint of "
                         "the last finished step before the process exits (training itself unchanged)",
     "PYTHONPATH": "puts the supervisor's start-up hook (a sitecustomize) first",
+    DS_UNIVERSAL_FIX_ENV: "start-up hook: after DeepSpeed's ZeRO-3 universal load, each state gets its own Adam "
+                          "step counter and each param group its own weight decay (DeepSpeed 0.19 shares one "
+                          "step tensor and copies group 0's settings); the resume is then exact",
 }
 
 
@@ -87,7 +92,7 @@ def render_env(spec: JobSpec, overrides: Overrides) -> dict[str, str]:
     emergency = "0" not in (spec.sup.env.get(EMERGENCY_CKPT_ENV), overrides.env.get(EMERGENCY_CKPT_ENV))
     if emergency:
         env[EMERGENCY_CKPT_ENV] = "1"
-    if MEMORY_FRACTION_ENV in overrides.env or emergency:
+    if MEMORY_FRACTION_ENV in overrides.env or emergency or env.get(DS_UNIVERSAL_FIX_ENV) == "1":
         existing = spec.sup.env.get("PYTHONPATH")
         env["PYTHONPATH"] = str(HOOK_DIR) + (f":{existing}" if existing else "")
     return env

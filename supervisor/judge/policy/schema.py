@@ -21,7 +21,7 @@ from supervisor.core.models import Problem
 
 RungName = Literal[
     "allocator", "micro_batch", "eval_batch", "grad_checkpointing",
-    "zero3_offload_optimizer", "zero3_offload_param", "memory_fraction", "cutoff_len",
+    "zero3_offload_optimizer", "zero3_offload_param", "memory_fraction", "cutoff_len", "universal_load",
 ]
 ALL_RUNGS: tuple[str, ...] = RungName.__args__  # type: ignore[attr-defined]
 DATA_CHANGING_RUNGS = frozenset({"cutoff_len"})
@@ -108,6 +108,17 @@ class Retention(_Strict):
     keep_archived: int = Field(2, ge=0)
 
 
+class FewerGpus(_Strict):
+    """When the GPUs a job asked for are not all free (taken, faulted, removed): wait `after_s` for
+    them, then run on the free ones if `allow`, resuming across the world-size change (ZeRO
+    checkpoints through DeepSpeed's universal format) with the effective batch kept exactly
+    (gradient accumulation adjusted); the start says so. `allow: false` waits as long as it takes
+    (and refuses at once a job that asks for more GPUs than the box has)."""
+
+    allow: bool = True
+    after_s: float = Field(1800.0, ge=0)
+
+
 class Policy(_Strict):
     """An escalation policy. `ladder` is the default order (cheapest first);
     the diagnosis may reorder it (see decide.py)."""
@@ -120,6 +131,7 @@ class Policy(_Strict):
     budgets: Budgets = Budgets()
     backoff: Backoff = Backoff()
     retention: Retention = Retention()
+    fewer_gpus: FewerGpus = FewerGpus()
     retry_numeric: bool = False
     # The start-up hook's emergency checkpoint of the last finished step on a catchable OOM (one
     # process): on by default; a job turns it off with env OOM_SUPERVISOR_EMERGENCY_CKPT: "0".

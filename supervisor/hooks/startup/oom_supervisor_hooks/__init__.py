@@ -33,6 +33,10 @@ def install():
         from . import emergency
 
         _imports.after_import("transformers.trainer", emergency.install)
+    if os.environ.get("OOM_SUPERVISOR_DS_UNIVERSAL_FIX") == "1":
+        from . import ds_universal
+
+        _imports.after_import("deepspeed.runtime.zero.stage3", ds_universal.install)
 
 
 def _fraction():
