@@ -131,3 +131,22 @@ def test_host_wait_uses_what_the_configuration_was_seen_to_use():
     assert w is None  # it used 140 GiB; 161 GiB are free
     busier = dataclasses.replace(idle, host_used_by_others_bytes=330 * GiB)
     assert host_wait(busier, POLICY, off.overrides, observations=[seen]).need == 140 * GiB
+
+
+def test_a_host_oom_while_others_held_memory_never_turns_into_a_refusal():
+    """A host OOM proves a demand beyond what was free then, not beyond the box: with others
+    holding memory it is weather. Only an OOM whose lower bound exceeds the capacity is certain.
+    (`conservative` reaches three configurations here: as submitted and the two offloads.)"""
+    from supervisor.judge.policy import BUILTIN_POLICY_DIR, load_policy
+
+    from .builders import host_oom
+
+    conservative = load_policy("conservative", search_dirs=[BUILTIN_POLICY_DIR])
+    ctx = job_of(LLAMA3_70B, gpu_gib=24, host_gib=1800)
+    off = R.zero3_offload_param(ctx, Overrides(), None, conservative, R.Memory(), host_check="possible")
+    weather = L.observation(ctx, off.overrides, host_oom(), succeeded=False, peak_rss_bytes=1400 * GiB, job="earlier")
+    assert L.infeasible(ctx, conservative, []) is None
+    assert L.infeasible(ctx, conservative, [weather]) is None
+    beyond = dataclasses.replace(weather, host_peak=1900 * GiB)
+    refused = L.infeasible(ctx, conservative, [beyond])
+    assert refused is not None and "1 of them ran out of memory here beyond the capacity" in refused

@@ -776,9 +776,12 @@ def refusal_bound(ctx: JobContext, policy: Policy, observations: Sequence[Observ
         gpu, host = _optimistic(ctx, ov)
         gpu_ok = gpu is None or cap is None or gpu <= cap
         host_ok = host is None or host_cap is None or host <= host_cap
-        if rec is not None and rec.ooms:
-            gpu_ok = gpu_ok and not any(o.outcome == "gpu_oom" for o in rec.ooms)
-            host_ok = host_ok and not any(o.outcome == "host_oom" for o in rec.ooms)
+        if rec is not None:
+            # An OOM rules a configuration out only when it proves a demand beyond the capacity: one
+            # below it may have been fragmentation or memory others held at the time (weather).
+            gpu_ok = gpu_ok and not any(o.outcome == "gpu_oom" and cap and (o.gpu_peak or 0) > cap for o in rec.ooms)
+            host_ok = host_ok and not any(o.outcome == "host_oom" and host_cap and (o.host_peak or 0) > host_cap
+                                          for o in rec.ooms)
         bounds.append(Bound(label(ctx, ov), gpu, host, gpu_ok, host_ok))
     if not bounds or any(b.gpu_ok and b.host_ok for b in bounds):
         return None
@@ -808,8 +811,9 @@ def refusal_bound(ctx: JobContext, policy: Policy, observations: Sequence[Observ
         least = min(bounds, key=lambda b: (b.gpu or 0, b.host or 0))
         parts.append(f"the least any reachable configuration needs is ~{_gib(least.gpu)} of the {_gib(cap)} GPU "
                      f"and ~{_gib(least.host)} host RAM of {_gib(host_cap)} ({least.label})")
-    seen = [o for r in recs.values() for o in r.ooms]
-    basis = (f"{len(seen)} of them ran out of memory here" if seen else "the estimator alone")
+    seen = [b for b in bounds if b.gpu_ok != (b.gpu is None or cap is None or b.gpu <= cap)
+            or b.host_ok != (b.host is None or host_cap is None or b.host <= host_cap)]
+    basis = (f"{len(seen)} of them ran out of memory here beyond the capacity" if seen else "the estimator alone")
     text = (f"cannot run on this box in any of the {len(bounds)} configurations policy {policy.name!r} can reach "
             f"(micro-batch down to {policy.rungs.micro_batch.floor}, checkpointing, ZeRO-3 offload), even under "
             f"the most optimistic credible estimate, {OPTIMISTIC_NAME}: " + "; ".join(parts)
