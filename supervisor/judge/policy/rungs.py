@@ -365,14 +365,11 @@ def grad_checkpointing(job: JobContext, ov: Overrides, diag: Diagnosis, policy: 
     return Applied(with_changes(ov, "grad_checkpointing", what, yaml={"use_unsloth_gc": True}), what, frees)
 
 
-HOST_CHECKS = ("budget", "possible")
-
-
 def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offload_param: bool,
            has_checkpoint: bool, host_check: str = "budget") -> Applied | Skipped:
     """ZeRO-3 with offload. Host RAM is judged twice: a remedy whose states cannot fit the box
     even under the most optimistic credible estimate (DeepSpeed's without its buffer factor) is
-    impossible, always skipped; one whose buffered estimate exceeds the job's budget now is
+    impossible, always skipped; one whose buffered estimate exceeds the job's budget is
     skipped with host_check="budget" (a remedy that fits is preferred) and taken with
     "possible" (the last resort: tried, and what it really uses is learned)."""
     name = "zero3_offload_param" if offload_param else "zero3_offload_optimizer"
@@ -424,7 +421,7 @@ def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offlo
                else "slower steps (~15%: the optimizer step runs on the CPU)"))
     if over_budget:
         what += (f"; DeepSpeed's estimate ~{host_need / gib:.0f} GiB host RAM (1.5x buffer) is above the "
-                 f"~{budget / gib:.0f} GiB the job may use now ({host_budget_source(job, policy)}), but "
+                 f"~{budget / gib:.0f} GiB the job may use ({host_budget_source(job, policy)}), but "
                  f"~{(host_floor or 0) / gib:.0f} GiB without the buffer fits the box: tried, and what it "
                  "really uses is learned")
     elif host_need:
