@@ -127,3 +127,23 @@ def test_a_configuration_seen_to_fit_is_not_preferred_over_a_faster_one_predicte
     pred = L.predict(ctx, POLICY, [seen])
     observed = next(c for c in pred.candidates if c.source == "observed")
     assert pred.chosen.speed > observed.speed and pred.chosen.source == "predicted"
+
+
+def test_a_kind_that_ran_out_outside_pytorchs_allocator_keeps_room_for_it():
+    """Found by bench_policy --learned (library): once an OOM without numbers no longer counted the
+    whole GPU as its peak, a job whose cuBLAS workspace ran out started where PyTorch's own peak
+    (all the hook measures) was predicted to fit, and ran out again. The room the memory_fraction
+    rung leaves outside PyTorch (12%) is kept free in predictions for such a kind."""
+    ctx = gpu_job(micro=8, accum=2)
+    cap = ctx.gpu_capacity_bytes
+    cublas = Diagnosis(Category.GPU_OOM, "CUBLAS_STATUS_ALLOC_FAILED", vendor="cuda", subkind="cublas")
+    night = [L.observation(ctx, Overrides(), cublas, succeeded=False, job="earlier", attempt=1, time=1.0),
+             fit_gpu(ctx, split(ctx, 2), int(0.5 * cap), n=2)]
+    assert night[0].gpu_peak is None and night[0].extra["outside_pytorch"]
+    pred = L.predict(ctx, POLICY, night)
+    room = int((1 - POLICY.rungs.memory_fraction.fraction) * cap)
+    assert pred.outside_room == room and pred.gpu_limit == int(cap * (1 - POLICY.fit_headroom)) - room
+    chosen = pred.chosen
+    assert chosen.source == "observed" or chosen.gpu_need * (1 + chosen.margin) <= pred.gpu_limit
+    plain = dataclasses.replace(night[0], extra={"summary": "CUDA error: out of memory", "outside_pytorch": False})
+    assert L.predict(ctx, POLICY, [plain, night[1]]).outside_room == 0

@@ -243,7 +243,9 @@ def observation(ctx: JobContext, ov: Overrides, diagnosis: Diagnosis | None, *, 
         # Neither numbers nor a peak file: it did not fit, by how much is unknown. The whole GPU
         # as its "peak" would raise the correction of every candidate on a guess.
         return Observation(outcome="gpu_oom", gpu_peak=max(cands) if cands else None,
-                           host_peak=peak_rss_bytes, extra={"summary": diagnosis.summary}, **common)
+                           host_peak=peak_rss_bytes, extra={"summary": diagnosis.summary,
+                                                            "outside_pytorch": diagnosis.subkind in R.NON_CACHING_SUBKINDS},
+                           **common)
     if cat == Category.HOST_OOM:
         lb = max([x for x in (memory_limit_bytes, peak_rss_bytes) if x] or [0]) or None
         return Observation(outcome="host_oom", host_peak=lb, extra={"summary": diagnosis.summary}, **common)
@@ -551,6 +553,9 @@ class Prediction:
     gpu_limit: int | None
     host_limit: int | None
     same_kind: tuple[Observation, ...]
+    # GPU memory kept free in predictions for allocations outside PyTorch's allocator (a library's
+    # workspace), when jobs of this kind ran out there: peaks the hook measures do not count them.
+    outside_room: int = 0
 
     @property
     def chosen(self) -> Candidate | None:
@@ -577,6 +582,11 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
     # The job's own attempts decide for a configuration they ran; else all of its kind, weighed.
     own, recs = records([o for o in same if job and o.job == job]), records(same)
     gpu_limit = int(ctx.gpu_capacity_bytes * (1 - policy.fit_headroom)) if on_gpu(ctx) else None
+    outside = 0
+    if gpu_limit and any(o.extra.get("outside_pytorch") for o in observations if tier_of(key, o, job)):
+        # As much as the memory_fraction rung leaves them: what such an OOM needs outside PyTorch.
+        outside = int((1 - policy.rungs.memory_fraction.fraction) * ctx.gpu_capacity_bytes)
+        gpu_limit -= outside
     budget = R.host_budget(ctx, policy)
     host_limit = int(budget * (1 - policy.fit_headroom)) if budget else None
     fitted = [Overrides.from_dict(o.overrides) for o in same if o.outcome == "fit"]
@@ -608,6 +618,10 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
         margin = m_gpu if pg is not None else m_host
         source = "predicted"
         g_lim, h_lim = gpu_limit, host_limit
+        cap_f = R.cap_fraction(ov)
+        if g_lim is not None and cap_f is not None:
+            # Under a memory cap PyTorch gets that share of the GPU and the rest stays free.
+            g_lim = min(g_lim + outside, int(cap_f * ctx.gpu_capacity_bytes))
         if rec is not None:
             # It ran to the end of its work: the whole GPU / budget is the limit it proved.
             gpu = rec.peak("gpu") if rec.peak("gpu") is not None else gpu
@@ -623,7 +637,7 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
         fits = all(need is None or limit is None or need * (1 + m) <= limit
                    for need, limit, m in ((gpu, g_lim, m_gpu), (host, h_lim, m_host)))
         cands.append(Candidate(ov, label(ctx, ov), gpu, host, margin, source, fits, sp, used.k))
-    return Prediction(tuple(cands), gpu_c, host_c, gpu_limit, host_limit, tuple(same))
+    return Prediction(tuple(cands), gpu_c, host_c, gpu_limit, host_limit, tuple(same), outside)
 
 
 def host_need(ctx: JobContext, policy: Policy, ov: Overrides, observations: Sequence[Observation] = ()) -> int | None:
@@ -695,7 +709,9 @@ def reason_for(ctx: JobContext, pred: Prediction, choice: Candidate) -> str:
         need = choice.gpu_need if res == "GPU" else choice.host_need
         limit = pred.gpu_limit if res == "GPU" else pred.host_limit
         what = "estimator x" if res == "host" else "estimator: model states + activations and overhead x"
-        basis = (f"predicted ~{_gib(need)} of {_gib(limit)} usable {res} memory ({what}{choice.k:.2f}, "
+        kept = (f", {_gib(pred.outside_room)} kept free for memory outside PyTorch's allocator, which jobs of this "
+                "kind ran out of" if res == "GPU" and pred.outside_room else "")
+        basis = (f"predicted ~{_gib(need)} of {_gib(limit)} usable {res} memory{kept} ({what}{choice.k:.2f}, "
                  f"margin {choice.margin:.0%})")
     start = "the job as submitted" if not choice.overrides.rungs else choice.label
     return f"{head}: {ran}; starting at {start} ({basis})" if ran else f"{head}; starting at {start} ({basis})"
