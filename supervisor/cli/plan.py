@@ -9,6 +9,10 @@ and host memory of that configuration (model states by DeepSpeed's formulas,
 activations by the usual per-layer estimate), so a user can see before the
 night whether the remedies could ever fit. Without those numbers each step
 assumes a plain out-of-memory in a training step.
+
+When the daemon would refuse the job (learn.refusal_bound: no configuration the policy can
+reach fits even under the most optimistic credible estimate), it prints the refusal, the
+estimate it was judged on and every configuration's numbers under it.
 """
 
 from __future__ import annotations
@@ -158,7 +162,7 @@ def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: f
         return {"k": round(c.k, 3), "tier": c.tier, "raised_by_oom": c.bounded_by_oom,
                 "margin": learn.MARGINS.get(c.tier or "", 0.0), "observations": len(c.basis)}
 
-    obs = [{"job": o.job, "attempt": o.attempt, "tier": learn.tier(key, o.key), "outcome": o.outcome,
+    obs = [{"job": o.job, "attempt": o.attempt, "tier": learn.tier_of(key, o, ctx.name), "outcome": o.outcome,
             "config": f"{o.key.get('micro_batch')}x{o.key.get('grad_accum')}",
             "cutoff_len": o.key.get("cutoff_len"), "params": o.key.get("params"),
             "gpu_peak_gib": None if o.gpu_peak is None else round(o.gpu_peak / GiB, 2),
@@ -167,6 +171,7 @@ def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: f
             "predicted_host_gib": None if o.predicted_host is None else round(o.predicted_host / GiB, 2)}
            for o in observations if id(o) in used]
     cands = sorted(pred.candidates, key=lambda c: -c.speed)
+    refusal = learn.refusal_bound(ctx, policy, observations)
     return {"gpu": corr(pred.gpu), "host": corr(pred.host), "fit_headroom": policy.fit_headroom,
             "gpu_limit_gib": None if pred.gpu_limit is None else round(pred.gpu_limit / GiB, 2),
             "host_limit_gib": None if pred.host_limit is None else round(pred.host_limit / GiB, 2),
@@ -174,7 +179,9 @@ def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: f
             "candidates": [{"config": c.label, "fits": c.fits, "speed": round(c.speed, 3), **_learned_numbers(c)}
                            for c in cands],
             "chosen": pred.chosen.label if pred.chosen else None,
-            "refused": learn.infeasible(ctx, policy, observations)}
+            "refused": refusal.text if refusal else None,
+            # The optimistic bound a refusal was judged on, with every configuration's numbers.
+            "refusal": refusal.to_dict() if refusal else None}
 
 
 def _planned_oom(ctx: JobContext, est: dict[str, Any]) -> Diagnosis:
@@ -331,6 +338,16 @@ def _print_learned(x: dict[str, Any]) -> None:
         print(f"learned start: {x['chosen']}")
     if x["refused"]:
         print(f"refused at submit: {x['refused']}")
+        r = x["refusal"]
+        print(f"optimistic bound ({r['estimate']}), per configuration, against GPU "
+              f"{_gib_or(r['gpu_capacity_bytes'])} and host {_gib_or(r['host_capacity_bytes'])}:")
+        for b in sorted(r["configurations"], key=lambda b: (b["host"] or 0, b["gpu"] or 0)):
+            print(f"  {b['label']}: GPU ~{_gib_or(b['gpu'])}{'' if b['gpu_ok'] else ' (too much)'}, "
+                  f"host ~{_gib_or(b['host'])}{'' if b['host_ok'] else ' (too much)'}")
+
+
+def _gib_or(n: int | None) -> str:
+    return "?" if n is None else f"{n / GiB:.1f} GiB"
 
 
 def main(argv: list[str] | None = None) -> int:

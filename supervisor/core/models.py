@@ -324,6 +324,10 @@ class JobContext:
     # Who else holds memory on the job's GPUs, when a probe can tell ("pid 4242 (python3): 70.0 GiB"),
     # so a wait-and-retry can name them.
     gpu_memory_holders: tuple[str, ...] = ()
+    # Token lengths of the training set's samples when the edge knows them ({"p50": .., "p95": ..,
+    # "max": ..}): without packing a micro-batch is padded to its longest sample, not to cutoff_len,
+    # so two jobs of one model and cutoff_len on different data use different memory.
+    dataset_token_lengths: Mapping[str, int] | None = None
 
     def launched_world_size(self) -> int:
         """Ranks the launch really runs (ranks per node x nodes): a remedy must never change it."""

@@ -5,14 +5,20 @@ be deleted at any time without losing a job, and is written after the verdict's 
 so a failure here never touches a verdict. The pure part (record, key, correction, choice)
 is `supervisor.judge.policy.learn`; this module only stores, reads and queries.
 
-The daemon edge makes three calls (each opens and closes the file, none raises):
+The daemon edge makes four calls (each opens and closes the file, none raises):
   * `record_finished(state_root, ctx, overrides, diagnosis, succeeded=, max_step=,
     resumed_from_step=, peak_file=<attempt dir>/gpu_peak.json, host=HostEvidence, job=, attempt=,
     time=)` after an attempt's verdict is committed (the hook writes the peak file when the
     attempt's environment has OOM_SUPERVISOR_PEAK_FILE=<that path>);
   * `first_attempt(state_root, ctx, policy) -> (Overrides, reason | None)` when attempt 1 is
     prepared: run with those overrides, record the reason with the attempt;
-  * `refusal(state_root, ctx, policy) -> str | None` at submit: a str refuses the job with it.
+  * `refusal(state_root, ctx, policy) -> str | None` at submit: a str refuses the job with it
+    (learn.refusal_bound: only when even the most optimistic credible estimate rules out every
+    configuration; the box's capacity, never what other processes hold at the moment);
+  * `wait_for_host(state_root, ctx, policy, overrides, waited_s=) -> HostWait | None` before ANY
+    attempt is launched, with ctx.host_used_by_others_bytes read at that moment: `.wait` keeps the
+    job queued, unchanged, `.reason` in `status`, asked again after `.retry_in_s`; once the
+    policy's bound has passed it answers wait=False and the attempt starts (hostwait.py).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 
 
 from supervisor.core.models import Diagnosis, HostEvidence, JobContext, Overrides
+from supervisor.judge.policy.hostwait import HostWait, host_wait
 from supervisor.judge.policy.learn import (
     GPU_CAPACITY_TOLERANCE,
     GpuPeak,
@@ -204,3 +211,13 @@ def refusal(state_root: str | Path, ctx: JobContext, policy: Policy) -> str | No
     except (OSError, sqlite3.Error):
         obs = []
     return infeasible(ctx, policy, obs)
+
+
+def wait_for_host(state_root: str | Path, ctx: JobContext, policy: Policy, overrides: Overrides, *,
+                  waited_s: float) -> HostWait | None:
+    """Before an attempt is launched: hostwait.host_wait over the stored observations (None: go)."""
+    try:
+        obs = load_for(state_root, ctx)
+    except (OSError, sqlite3.Error):
+        obs = []
+    return host_wait(ctx, policy, overrides, waited_s=waited_s, observations=obs)

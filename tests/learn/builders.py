@@ -57,7 +57,7 @@ def host_oom() -> Diagnosis:
 def fit_gpu(ctx: JobContext, ov: Overrides, peak: int, n: int = 1) -> L.Observation:
     o = L.observation(ctx, ov, None, succeeded=True, peak=L.GpuPeak(peak, peak, ctx.gpu_capacity_bytes,
                                                                        "NVIDIA H200", 1),
-                      peak_rss_bytes=3 * GiB, job="j", attempt=n, time=float(n))
+                      peak_rss_bytes=3 * GiB, job="earlier", attempt=n, time=float(n))
     assert o is not None
     return o
 

@@ -345,7 +345,7 @@ def _retry(job: JobContext, current: Overrides, policy: Policy, n: int, reason: 
 
 
 def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnosis, policy: Policy,
-                current: Overrides) -> Decision:
+                current: Overrides, host_check: str = "budget") -> Decision:
     # OOMs that other processes' memory explained say nothing about this job's configuration.
     own = [a for a in history if a.diagnosis is not None and a.diagnosis.category in OOM
            and not foreign_oom(a.diagnosis, policy)]
@@ -372,7 +372,7 @@ def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnos
         if name == "micro_batch":
             return {"resuming": has_checkpoint, "margin": policy.shortfall_margin}
         if name in _OFFLOAD:
-            return {"has_checkpoint": has_checkpoint}
+            return {"has_checkpoint": has_checkpoint, "host_check": host_check}
         if name == "grad_checkpointing":
             return {"host_pressure": diag.category == Category.HOST_OOM}
         return {}
@@ -426,6 +426,12 @@ def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnos
         reason = (f"{where}{short}; no single remedy closes it, taking the one that frees most: "
                   f"{name} (~{_gib(frees)}): {result.what} [skipped: " + "; ".join(skipped) + "]")
         return _escalate(current, result, name, reason)
+    if host_check == "budget" and any(s.startswith(_OFFLOAD) and "the job may use" in s for s in skipped):
+        # Refuse only the impossible: an offload whose buffered host estimate is over the budget
+        # but whose unbuffered one fits the box is the last resort, tried rather than failing.
+        last = _decide_oom(job, history, diag, policy, current, host_check="possible")
+        if last.kind == DecisionKind.ESCALATE:
+            return last
     extra = ""
     if diag.phase == Phase.CHECKPOINT_LOAD:
         extra = ("; while loading a checkpoint a smaller micro-batch frees nothing (no activations exist yet), "

@@ -119,12 +119,25 @@ class Setup:
     trainable_fraction: float = 1.0  # LoRA: ~0.005
 
 
-def model_states(params: int, largest_layer_params: int, world: int, setup: Setup) -> tuple[int, int]:
+# DeepSpeed's `additional_buffer_factor` (its estimators' default, 1.5): pinned buffers and
+# fragmentation on top of the 16-18 bytes per parameter of offloaded states. Judging whether a
+# remedy fits the host budget uses it; judging whether a job is impossible does not (OPTIMISTIC).
+DEEPSPEED_BUFFER = 1.5
+OPTIMISTIC_BUFFER = 1.0
+OPTIMISTIC_NAME = ("DeepSpeed's estimate_zero3_model_states_mem_needs_all_cold without its "
+                   "additional_buffer_factor (18 B/param in host RAM with parameters offloaded, 16 with "
+                   "the optimizer only; model states only, activations not counted)")
+
+
+def model_states(params: int, largest_layer_params: int, world: int, setup: Setup,
+                 buffer: float = DEEPSPEED_BUFFER) -> tuple[int, int]:
     """(gpu_bytes, host_bytes) of weights, gradients and Adam state per GPU.
 
     Full fine-tuning uses DeepSpeed's formulas; with a small trainable share
     (LoRA, freeze) the frozen weights cost 2 bytes each and only the trainable
-    part carries the 16-18 bytes of gradients and optimizer state.
+    part carries the 16-18 bytes of gradients and optimizer state. `buffer` is DeepSpeed's
+    additional_buffer_factor on host RAM (OPTIMISTIC_BUFFER: the most optimistic credible
+    figure, the bound a refusal is judged on).
     """
     t = min(1.0, max(0.0, setup.trainable_fraction))
     frozen = int(params * (1 - t))
@@ -133,12 +146,13 @@ def model_states(params: int, largest_layer_params: int, world: int, setup: Setu
     if setup.zero_stage == 3:
         cpu, gpu, _ = zero3_model_states(trainable, lil, num_gpus_per_node=world,
                                          cpu_offload=setup.offload_optimizer or setup.offload_param,
-                                         cpu_offload_params=setup.offload_param)
+                                         cpu_offload_params=setup.offload_param, additional_buffer_factor=buffer)
         frozen_gpu = 0 if setup.offload_param else 2 * frozen // world
         frozen_cpu = 2 * frozen if setup.offload_param else 0
         return gpu + frozen_gpu, cpu + frozen_cpu
     if setup.zero_stage in (1, 2):
-        cpu, gpu = zero2_model_states(trainable, num_gpus_per_node=world, cpu_offload=setup.offload_optimizer)
+        cpu, gpu = zero2_model_states(trainable, num_gpus_per_node=world, cpu_offload=setup.offload_optimizer,
+                                      additional_buffer_factor=buffer)
         return gpu + 2 * frozen, cpu
     return 16 * trainable + 2 * frozen, 0
 

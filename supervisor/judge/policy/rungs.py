@@ -14,7 +14,7 @@ from typing import Any
 from supervisor.core.models import Diagnosis, JobContext, Overrides
 from supervisor.intake.deepspeed_config import with_batch_fields, zero3_offload_config
 from supervisor.judge.policy.allocator import ALLOC_VARS, format_alloc_conf, parse_alloc_conf
-from supervisor.judge.policy.estimate import Setup, model_states
+from supervisor.judge.policy.estimate import OPTIMISTIC_BUFFER, Setup, model_states
 from supervisor.judge.policy.schema import Policy
 
 # Diagnosis subkinds that mean "OOM outside PyTorch's caching allocator".
@@ -106,17 +106,30 @@ def cap_fraction(ov: Overrides) -> float | None:
 
 
 def host_budget(job: JobContext, policy: Policy) -> int | None:
-    """The one host-RAM budget every remedy is judged against (bytes; None = unknown)."""
-    return job.host_budget_bytes(policy.host_ram_reserve)
+    """The one host-RAM budget every remedy is judged against (bytes; None = unknown): the job's
+    host_memory_limit, else the box's RAM less the policy's reserve. What other processes hold
+    now is not subtracted: it is waited for before an attempt starts (hostwait.py), never a
+    reason to choose another remedy or to refuse the job."""
+    if job.host_memory_limit_bytes:
+        return job.host_memory_limit_bytes
+    if not job.host_ram_bytes:
+        return None
+    return int(job.host_ram_bytes * (1 - policy.host_ram_reserve))
+
+
+def host_capacity(job: JobContext) -> int | None:
+    """The most host RAM this job could ever have (bytes; None = unknown): its host_memory_limit,
+    else the box's RAM. What other processes hold at the moment is not counted: it is weather,
+    met by waiting (hostwait.py), never by refusing the job or changing it."""
+    return job.host_memory_limit_bytes or job.host_ram_bytes or None
 
 
 def host_budget_source(job: JobContext, policy: Policy) -> str:
     gib = 1 << 30
     if job.host_memory_limit_bytes:
         return f"its host_memory_limit {job.host_memory_limit_bytes / gib:.0f} GiB"
-    others = job.host_used_by_others_bytes or 0
     return (f"{(job.host_ram_bytes or 0) / gib:.0f} GiB on the box, less {policy.host_ram_reserve:.0%} "
-            f"reserve and {others / gib:.0f} GiB other processes hold")
+            "reserve; what other processes hold is waited for, not counted")
 
 
 def pinned_nproc(job: JobContext) -> int | None:
@@ -353,7 +366,12 @@ def grad_checkpointing(job: JobContext, ov: Overrides, diag: Diagnosis, policy: 
 
 
 def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offload_param: bool,
-           has_checkpoint: bool) -> Applied | Skipped:
+           has_checkpoint: bool, host_check: str = "budget") -> Applied | Skipped:
+    """ZeRO-3 with offload. Host RAM is judged twice: a remedy whose states cannot fit the box
+    even under the most optimistic credible estimate (DeepSpeed's without its buffer factor) is
+    impossible, always skipped; one whose buffered estimate exceeds the job's budget is
+    skipped with host_check="budget" (a remedy that fits is preferred) and taken with
+    "possible" (the last resort: tried, and what it really uses is learned)."""
     name = "zero3_offload_param" if offload_param else "zero3_offload_optimizer"
     if job.kind != "llamafactory":
         return Skipped("not a LLaMA-Factory job")
@@ -378,23 +396,36 @@ def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offlo
                               fp16=cfg.get("fp16") if "fp16" in cfg else None)
     new_setup = Setup(3, True, offload_param, cur.trainable_fraction)
     frees = None
-    host_need = None
+    host_need = host_floor = None
     if job.param_count:
         lil = job.largest_layer_params or job.param_count // 40
         world = job.launched_world_size()
         gpu_now, _ = model_states(job.param_count, lil, world, cur)
         gpu_new, host_need = model_states(job.param_count, lil, world, new_setup)
+        _, host_floor = model_states(job.param_count, lil, world, new_setup, buffer=OPTIMISTIC_BUFFER)
         frees = max(0, gpu_now - gpu_new)
+    gib = 1 << 30
+    capacity = host_capacity(job)
+    if host_floor and capacity and host_floor > capacity:
+        return Skipped(f"impossible here: even DeepSpeed's estimate without its buffer factor needs "
+                       f"~{host_floor / gib:.0f} GiB host RAM, more than the {capacity / gib:.0f} GiB "
+                       + ("of its host_memory_limit" if job.host_memory_limit_bytes else "the box has"))
     budget = host_budget(job, policy)
-    if host_need and budget is not None and host_need > budget:
-        return Skipped(f"needs ~{host_need / (1 << 30):.0f} GiB host RAM; the job may use "
-                       f"~{budget / (1 << 30):.0f} GiB ({host_budget_source(job, policy)})")
+    over_budget = bool(host_need and budget is not None and host_need > budget)
+    if over_budget and host_check == "budget":
+        return Skipped(f"needs ~{host_need / gib:.0f} GiB host RAM; the job may use "
+                       f"~{budget / gib:.0f} GiB ({host_budget_source(job, policy)})")
     what = ("DeepSpeed ZeRO-3, optimizer state " + ("and parameters " if offload_param else "")
             + "offloaded to pinned CPU memory (generated ds_config.json, overlap_comm on); "
             + ("much slower steps (every layer's weights cross PCIe each step)" if offload_param
                else "slower steps (~15%: the optimizer step runs on the CPU)"))
-    if host_need:
-        what += f"; needs ~{host_need / (1 << 30):.0f} GiB host RAM"
+    if over_budget:
+        what += (f"; DeepSpeed's estimate ~{host_need / gib:.0f} GiB host RAM (1.5x buffer) is above the "
+                 f"~{budget / gib:.0f} GiB the job may use ({host_budget_source(job, policy)}), but "
+                 f"~{(host_floor or 0) / gib:.0f} GiB without the buffer fits the box: tried, and what it "
+                 "really uses is learned")
+    elif host_need:
+        what += f"; needs ~{host_need / gib:.0f} GiB host RAM"
     env = {"FORCE_TORCHRUN": "1"}
     nproc = pinned_nproc(job)
     if nproc is not None:
@@ -403,12 +434,12 @@ def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offlo
                    {"host_need": host_need})
 
 
-def zero3_offload_optimizer(job, ov, diag, policy, mem, *, has_checkpoint=False):
-    return _zero3(job, ov, mem, policy, offload_param=False, has_checkpoint=has_checkpoint)
+def zero3_offload_optimizer(job, ov, diag, policy, mem, *, has_checkpoint=False, host_check="budget"):
+    return _zero3(job, ov, mem, policy, offload_param=False, has_checkpoint=has_checkpoint, host_check=host_check)
 
 
-def zero3_offload_param(job, ov, diag, policy, mem, *, has_checkpoint=False):
-    return _zero3(job, ov, mem, policy, offload_param=True, has_checkpoint=has_checkpoint)
+def zero3_offload_param(job, ov, diag, policy, mem, *, has_checkpoint=False, host_check="budget"):
+    return _zero3(job, ov, mem, policy, offload_param=True, has_checkpoint=has_checkpoint, host_check=host_check)
 
 
 def cutoff_len(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, mem: Memory) -> Applied | Skipped:

@@ -148,6 +148,11 @@ class Policy(_Strict):
     # Share of the box's RAM never counted as available to a job (page cache, the daemon, the
     # system), when the job has no host_memory_limit of its own.
     host_ram_reserve: float = Field(0.1, ge=0.0, lt=0.9)
+    # Host RAM that other processes hold when an attempt is about to start is waited for (the job
+    # unchanged, never refused: hostwait.py), asked again every host_wait_poll_s, at most
+    # host_wait_max_s in all; then the attempt starts anyway.
+    host_wait_max_s: float = Field(3600.0, ge=0)
+    host_wait_poll_s: float = Field(60.0, gt=0)
     shortfall_margin: float = Field(1.15, ge=1.0)
     # A configuration is predicted to fit when it needs at most (1 - fit_headroom) of the GPU.
     fit_headroom: float = Field(0.05, ge=0.0, lt=0.5)

@@ -51,6 +51,28 @@ class Step:
     speed: float
 
 
+PAD_MULTIPLE = 8  # LLaMA-Factory's SFT collator pads a batch to a multiple of 8 tokens
+
+
+def packed(config: Any) -> bool:
+    """Samples packed into cutoff_len blocks: `packing`/`neat_packing`, on by default for stage pt
+    (LLaMA-Factory's parser: packing = stage == "pt" when unset)."""
+    p = config.get("packing")
+    if config.get("neat_packing"):
+        return True
+    return bool(p) if p is not None else str(config.get("stage", "sft")) == "pt"
+
+
+def seq_len(job: JobContext, v: R.View) -> int:
+    """The longest sequence a micro-batch holds, which sizes its activations: cutoff_len, or the
+    training set's longest sample (padded to PAD_MULTIPLE) when it is known, shorter and samples
+    are not packed."""
+    longest = (job.dataset_token_lengths or {}).get("max")
+    if not longest or packed(v.config):
+        return v.cutoff
+    return min(v.cutoff, -(-int(longest) // PAD_MULTIPLE) * PAD_MULTIPLE)
+
+
 def base_need(job: JobContext, ov: Overrides) -> int | None:
     shape = job.model_shape
     if not job.param_count or not shape:
@@ -62,7 +84,7 @@ def base_need(job: JobContext, ov: Overrides) -> int | None:
     v = R.view_of(job, ov)
     lil = job.largest_layer_params or job.param_count // 40
     states, _ = model_states(job.param_count, lil, job.launched_world_size(), v.setup)
-    act = activation_bytes(micro_batch=v.micro, seq_len=v.cutoff, hidden=hidden, layers=layers,
+    act = activation_bytes(micro_batch=v.micro, seq_len=seq_len(job, v), hidden=hidden, layers=layers,
                            checkpointing=v.gc_on, vocab=int(shape.get("vocab_size") or 0),
                            offload_checkpoints=v.unsloth_gc)
     return states + act + RUNTIME_OVERHEAD
