@@ -152,6 +152,16 @@ class Facts:
                 break
         return n
 
+    def host_wait_since(self, job_id: int) -> float | None:
+        """When the job's next attempt was first held back for host RAM others hold (None: it is
+        not waiting), from the record: a restart keeps the bound."""
+        for e in reversed(self.store.events(job_id)):
+            if e.kind == "host_memory_wait":
+                return e.ts
+            if e.kind in ("attempt_started", "host_memory_wait_over"):
+                return None
+        return None
+
     def history(self, job_id: int) -> list[AttemptRecord]:
         out = []
         for a in self.store.attempts(job_id):

@@ -126,11 +126,42 @@ class Runner:
         if isinstance(plan, Refuse):
             self.journal.refuse(job.id, plan.reason)
             return None
+        if self.held_for_host_memory(job, plan):
+            return None
         refused = self.prepare(job.id, plan, paths.root, ident)
         if refused:
             self.journal.refuse(job.id, refused)
             return None
         return self.launch(job, plan, gpus, ident)
+
+    def held_for_host_memory(self, job: JobRow, plan: AttemptPlan) -> bool:
+        """Host RAM that other processes hold means wait (bounded by the policy), never refuse and
+        never change the job: the attempt is held back, `status` says why, and it is asked again
+        later; once the bound has passed it starts anyway, unchanged (judge/policy/hostwait.py)."""
+        from supervisor.record.observations import wait_for_host
+
+        try:
+            with self.facts.acting(self.facts.identity_quietly(job.id)):
+                ctx = self.facts.context(job, plan.spec)
+            policy = self.facts.policy(plan.spec, job)
+        except Exception:
+            log.exception("host_wait_unavailable", job=job.id)
+            return False
+        since = self.facts.host_wait_since(job.id)
+        now = self.clock()
+        w = wait_for_host(self.cfg.state.root, ctx, policy, plan.overrides,
+                          waited_s=now - since if since is not None else 0.0)
+        if w is None:
+            return False
+        if w.wait:
+            with self.store.tx():
+                if since is None:  # said once per wait, not at every look
+                    self.journal.event(job.id, "host_memory_wait", w.reason, attempt=plan.number,
+                                       others_bytes=w.others, need_bytes=w.need, available_bytes=w.available)
+                self.store.update_job(job.id, not_before=now + w.retry_in_s, reason=w.reason)
+            return True
+        self.journal.event(job.id, "host_memory_wait_over", w.reason, attempt=plan.number, waited_s=w.waited_s)
+        return False
 
     def prepare(self, job_id: int, plan: AttemptPlan, attempt_dir: Path, ident: Identity | None = None) -> str | None:
         """Carry out what the plan needs on disk; the reason to refuse the job if it cannot be. On
