@@ -41,8 +41,8 @@ from supervisor.daemon.runner import Runner
 from supervisor.intake.spool import CheckContext, intake, output_dir_of_job
 from supervisor.record.store import JobRow, Store
 from supervisor.run.diskfull import describe_full, free_bytes, is_disk_full
-from supervisor.service.logsetup import log
 from supervisor.service import control
+from supervisor.service.logsetup import log
 from supervisor.service.metrics import Metrics, RunningJob
 from supervisor.service.notify import Notifier
 from supervisor.service.sdnotify import ServiceNotifier, status_from_store
