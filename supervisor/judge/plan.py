@@ -21,7 +21,7 @@ from typing import Any
 from supervisor.core.models import Overrides
 from supervisor.intake.jobspec import JobSpec
 from supervisor.intake.llamafactory.launch import VISIBILITY_VARS
-from supervisor.judge.kinds import kind_of
+from supervisor.judge.kinds import JobKind, kind_of
 from supervisor.judge.load_check import LoadCheck, check_load
 from supervisor.judge.policy.render import (
     DS_UNIVERSAL_FIX_ENV,
@@ -144,55 +144,18 @@ def plan_attempt(facts: JobFacts) -> Refuse | AttemptPlan:
         return fit
     launched = fit.apply(overrides)  # what really runs on this world size (recorded: `overrides`)
 
-    resume = None
     before: list[PlannedEvent] = []
     if fit.note:
         before.append(PlannedEvent("world_size_change", fit.note, {"asked": asked, "world": facts.world_size,
                                                                    "yaml": dict(fit.yaml)}))
+    resume = None
     if output_dir is not None and facts.resume is not None:
-        planned = plan_the_resume(facts, overrides, launched=launched)
-        if isinstance(planned, Refuse):
-            return planned
-        resume = planned
-        if resume.user_note:
-            before.append(PlannedEvent("resume_choice", resume.user_note))
-        if resume.checkpoint is not None or resume.mode != "fresh":
-            before.append(PlannedEvent("resume_plan", resume.reason,
-                                       {"mode": resume.mode, "semantic_change": resume.semantic_change}))
-        if resume.semantic_change:
-            before.append(PlannedEvent("semantic_change", f"TRAINING SEMANTICS CHANGE: {resume.semantic_change}"))
-        load = load_check_of(facts, launched, resume)
-        if load.refuse:
-            return Refuse(f"cannot resume: {load.refuse}")
-        if load.note:
-            before.append(PlannedEvent("load_check", load.note, load.numbers))
-
-    rendering = launched
-    ds_now = deepspeed_of(launched, facts.job_deepspeed)
-    if resume is not None and resume.deepspeed:
-        if ds_now is None:
-            return Refuse(f"the resume needs DeepSpeed settings {sorted(resume.deepspeed)} but attempt "
-                          f"{facts.number} runs without DeepSpeed")
-        # The attempt's own copy of its DeepSpeed JSON (the user's file is never edited).
-        rendering = dataclasses.replace(rendering, deepspeed=merged(ds_now, resume.deepspeed), notes=(
-            *rendering.notes, "DeepSpeed: the attempt's own copy of the job's DeepSpeed config with "
-            f"{_keys(resume.deepspeed)} merged, to resume from the universal checkpoint"))
-        if resume.checkpoint is not None and resume.checkpoint.zero_stage == 3:
-            rendering = dataclasses.replace(rendering, env={**rendering.env, DS_UNIVERSAL_FIX_ENV: "1"})
-    if fit.note and (synced := _synced_batch_fields(deepspeed_of(rendering, facts.job_deepspeed), launched,
-                                                    spec, facts.world_size)) is not None:
-        rendering = dataclasses.replace(rendering, deepspeed=synced, notes=(
-            *rendering.notes, f"DeepSpeed: explicit batch fields of the attempt's copy set for {facts.world_size} ranks"))
-    try:
-        rendered = render_attempt(spec, with_policy_switches(rendering, facts.policy),
-                                  attempt_dir=facts.attempt_dir,
-                                  resume_yaml=dict(resume.yaml) if resume else {}, launcher=list(facts.launcher))
-    except Exception as exc:
-        return Refuse(f"cannot render attempt {facts.number}: {exc}")
-    mismatched = kind.check(rendered, spec, world_size=facts.world_size, user_deepspeed=facts.job_deepspeed)
-    if mismatched:
-        return Refuse(f"attempt {facts.number} would launch a YAML and a DeepSpeed JSON that transformers "
-                      "refuses together: " + "; ".join(map(str, mismatched)))
+        resume = _plan_resume(facts, overrides, launched, before)
+        if isinstance(resume, Refuse):
+            return resume
+    rendered = _render(facts, kind, launched, resume, world_changed=bool(fit.note))
+    if isinstance(rendered, Refuse):
+        return rendered
 
     remedy = remedy_text(overrides)
     if fit.note:
@@ -212,6 +175,61 @@ def plan_attempt(facts: JobFacts) -> Refuse | AttemptPlan:
                + (f", resuming from {plan.resumed_from}" if plan.resumed_from else "")
                + (f"; {learned_why}" if learned_why else ""))
     return dataclasses.replace(plan, at_start=at_start, started=started)
+
+
+def _plan_resume(facts: JobFacts, overrides: Overrides, launched: Overrides,
+                 before: list[PlannedEvent]) -> Refuse | ResumePlan:
+    """Where the attempt resumes from, and whether that checkpoint can be loaded at all; the
+    notes for the record go to `before` (events recorded before the launch)."""
+    resume = plan_the_resume(facts, overrides, launched=launched)
+    if isinstance(resume, Refuse):
+        return resume
+    if resume.user_note:
+        before.append(PlannedEvent("resume_choice", resume.user_note))
+    if resume.checkpoint is not None or resume.mode != "fresh":
+        before.append(PlannedEvent("resume_plan", resume.reason,
+                                   {"mode": resume.mode, "semantic_change": resume.semantic_change}))
+    if resume.semantic_change:
+        before.append(PlannedEvent("semantic_change", f"TRAINING SEMANTICS CHANGE: {resume.semantic_change}"))
+    load = load_check_of(facts, launched, resume)
+    if load.refuse:
+        return Refuse(f"cannot resume: {load.refuse}")
+    if load.note:
+        before.append(PlannedEvent("load_check", load.note, load.numbers))
+    return resume
+
+
+def _render(facts: JobFacts, kind: JobKind, launched: Overrides, resume: ResumePlan | None, *,
+            world_changed: bool) -> Refuse | RenderedAttempt:
+    """The files the attempt really launches, checked together the way transformers will."""
+    spec = facts.spec
+    rendering = launched
+    ds_now = deepspeed_of(launched, facts.job_deepspeed)
+    if resume is not None and resume.deepspeed:
+        if ds_now is None:
+            return Refuse(f"the resume needs DeepSpeed settings {sorted(resume.deepspeed)} but attempt "
+                          f"{facts.number} runs without DeepSpeed")
+        # The attempt's own copy of its DeepSpeed JSON (the user's file is never edited).
+        rendering = dataclasses.replace(rendering, deepspeed=merged(ds_now, resume.deepspeed), notes=(
+            *rendering.notes, "DeepSpeed: the attempt's own copy of the job's DeepSpeed config with "
+            f"{_keys(resume.deepspeed)} merged, to resume from the universal checkpoint"))
+        if resume.checkpoint is not None and resume.checkpoint.zero_stage == 3:
+            rendering = dataclasses.replace(rendering, env={**rendering.env, DS_UNIVERSAL_FIX_ENV: "1"})
+    if world_changed and (synced := _synced_batch_fields(deepspeed_of(rendering, facts.job_deepspeed), launched,
+                                                         spec, facts.world_size)) is not None:
+        rendering = dataclasses.replace(rendering, deepspeed=synced, notes=(
+            *rendering.notes, f"DeepSpeed: explicit batch fields of the attempt's copy set for {facts.world_size} ranks"))
+    try:
+        rendered = render_attempt(spec, with_policy_switches(rendering, facts.policy),
+                                  attempt_dir=facts.attempt_dir,
+                                  resume_yaml=dict(resume.yaml) if resume else {}, launcher=list(facts.launcher))
+    except Exception as exc:
+        return Refuse(f"cannot render attempt {facts.number}: {exc}")
+    mismatched = kind.check(rendered, spec, world_size=facts.world_size, user_deepspeed=facts.job_deepspeed)
+    if mismatched:
+        return Refuse(f"attempt {facts.number} would launch a YAML and a DeepSpeed JSON that transformers "
+                      "refuses together: " + "; ".join(map(str, mismatched)))
+    return rendered
 
 
 def choose_overrides(facts: JobFacts, *, learns: bool) -> Refuse | tuple[Overrides, str]:
