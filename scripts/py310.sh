@@ -21,7 +21,7 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   rm -rf .venv-py310
   "$PY" -m venv .venv-py310
   echo "py310.sh: installing oom-supervisor (light dependencies) + pytest into .venv-py310" >&2
-  .venv-py310/bin/pip install --disable-pip-version-check -q -e . 'pytest>=8' 'hypothesis>=6.100'
+  .venv-py310/bin/pip install --disable-pip-version-check -q -e . 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6.100'
   echo "$want" > "$stamp"
 fi
 .venv-py310/bin/python - <<'PY'
@@ -47,4 +47,4 @@ if [ $# -eq 0 ]; then
   set -- tests/architecture tests/intake tests/core/test_spool.py tests/core/test_states_store.py tests/hostile \
     tests/core/test_daemon.py tests/core/test_output_dir.py
 fi
-exec .venv-py310/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv-py310/bin/python -m pytest -q -p no:cacheprovider -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" "$@"

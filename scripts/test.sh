@@ -3,7 +3,7 @@
 #   1. ./.venv (scripts/setup.sh);
 #   2. Chromium, for the morning report's page test (apt-get, as root or with sudo);
 #   3. the Slurm test clusters, each a script with `up` and `down` (CLUSTERS below);
-#   4. pytest, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`);
+#   4. pytest on two workers, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`);
 #   5. the daemon-side tests again on Python 3.10 (scripts/py310.sh; only without arguments).
 # Everything it starts is stopped when it exits, passed, failed or interrupted (trap).
 # OOM_SUPERVISOR_TEST_SLURM=0 leaves the clusters alone (their tests then skip; under CI=true
@@ -48,7 +48,10 @@ fi
 
 # Not exec: the trap stops the clusters when pytest is done.
 rc=0
-.venv/bin/python -m pytest -q -ra "$@" || rc=$?
+# Two workers (pytest-xdist): most tests wait on real processes, so two keep both cores busy; the
+# tests that share the box's users or the Slurm clusters stay on one worker (tests/conftest.py).
+# OOM_SUPERVISOR_TEST_WORKERS=0 runs them in this process, one after another; `-n N` overrides.
+.venv/bin/python -m pytest -q -ra -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" --dist loadgroup "$@" || rc=$?
 if [ $# -eq 0 ] && [ "${OOM_SUPERVISOR_TEST_PY310:-1}" != 0 ]; then
   say "the daemon and CLI on Python 3.10 (scripts/py310.sh)"
   bash scripts/py310.sh || { r=$?; [ "$rc" != 0 ] || rc=$r; }

@@ -18,6 +18,29 @@ REPO = Path(__file__).resolve().parent.parent
 FAKEJOB = REPO / "tests" / "jobs" / "fakejob.py"
 
 
+# --- two workers (scripts/test.sh runs pytest-xdist with --dist loadgroup) -----------------------
+# Tests that share something of the machine run on one worker, one after another: the users
+# alice/bob/eve/oscar that tests/sharedbox creates in /etc/passwd, and the Slurm test clusters.
+SHARED_BY_FOLDER = {"sharedbox": "box-users", "slurm": "slurm-clusters"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = SHARED_BY_FOLDER.get(item.nodeid.split("/")[1] if item.nodeid.startswith("tests/") else "")
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+    # Longest first, so no long test is left for one worker to run alone at the end: the Slurm
+    # group (one unit of ~8 minutes), then the real trainings (`slow`), then the rest; the
+    # collection order is kept within each (a stable sort).
+    def rank(item) -> int:
+        if item.get_closest_marker("xdist_group") and "slurm" in item.nodeid.split("/")[1]:
+            return 0
+        return 1 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=rank)
+
+
 @pytest.fixture
 def dirs(tmp_path):
     state, spool, work = tmp_path / "state", tmp_path / "spool", tmp_path / "work"
