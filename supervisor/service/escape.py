@@ -21,11 +21,15 @@ _ZWSP = "\u200b"
 
 def markdown_text(text: object) -> str:
     """`text` as literal inline Markdown: one line, no markup, no HTML, no links or images."""
+    # At the start of a line: a heading, a list item, a setext/thematic line, an ordered list ("1.").
+    return _MD_LINE_START.sub(r"\1\\\2", markdown_cell(text))
+
+
+def markdown_cell(text: object) -> str:
+    """`text` inside a table cell (never at the start of a line: "12.5%" and "-" stay as they are)."""
     s = " ".join(str(text).split())  # a newline could start a heading, a list or a code block
     s = "".join(_MD_ENTITIES.get(c, c) for c in s)
-    s = _MD_INLINE.sub(r"\\\1", s)
-    # At the start of a line: a heading, a list item, a setext/thematic line, an ordered list ("1.").
-    return _MD_LINE_START.sub(r"\1\\\2", s)
+    return _MD_INLINE.sub(r"\\\1", s)
 
 
 def chat_text(text: object) -> str:

@@ -25,7 +25,7 @@ import yaml
 from supervisor.core.paths import StatePaths
 from supervisor.record.store import Store
 from supervisor.run.progress import TRAINER_LOG, _parse_lines, parse_elapsed
-from supervisor.service.escape import markdown_text
+from supervisor.service.escape import markdown_cell, markdown_text
 
 GiB = float(1 << 30)
 NIGHT_KEY, NIGHT_IMAGE = -1, "night-goodput.png"  # the night's picture, among the jobs' (keyed by job id)
@@ -468,7 +468,7 @@ def attempt_rows(job: JobView) -> list[list[str]]:
 
 
 def _md_table(rows: list[list[str]]) -> str:
-    esc = [[markdown_text(c) for c in r] for r in rows]
+    esc = [[markdown_cell(c) for c in r] for r in rows]
     lines = ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(esc[0])]
     lines += ["| " + " | ".join(r) + " |" for r in esc[1:]]
     return "\n".join(lines)

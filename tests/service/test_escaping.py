@@ -97,3 +97,16 @@ def test_case6_job_names_when_asked_for_are_escaped_label_values(tmp_path):
     assert [(s.labels, s.value) for s in step] == [({"job": "2", "attempt": "2", "name": name}, 41)]
     failed = [s.value for s in got if s.name == "oom_supervisor_jobs" and s.labels == {"state": "failed"}]
     assert failed == [0], "no sample injected through a name"
+
+
+def test_table_cells_are_escaped_inline_only_so_figures_read_as_written(tmp_path):
+    """A cell never starts a line: "36.2%" and "-" need no escape there (report.md is read raw too),
+    while a hostile name in a cell still renders as text."""
+    state, store = _hostile_night(tmp_path)
+    md = render_markdown(collect(store, state), {1: "job-1.png"})
+    rows = [line for line in md.splitlines() if line.startswith("|")]
+    assert rows and not any(re.search(r"\\[.\-]", r) for r in rows), "\n".join(rows)
+    assert any(re.search(r"\| \d+(\.\d)?% \|", r) for r in rows), "a goodput figure as written"
+    html = MarkdownIt("commonmark").enable("table").render(md)
+    assert "<h1>" in html and html.count("<h1>") == 1 and "<li>" not in html.split("<h2>")[1], html
+    assert "# heading - list" in html
