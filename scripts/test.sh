@@ -51,7 +51,7 @@ rc=0
 # Two workers (pytest-xdist): most tests wait on real processes, so two keep both cores busy; the
 # tests that share the box's users or the Slurm clusters stay on one worker (tests/conftest.py).
 # OOM_SUPERVISOR_TEST_WORKERS=0 runs them in this process, one after another; `-n N` overrides.
-.venv/bin/python -m pytest -q -ra -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" --dist loadgroup "$@" || rc=$?
+.venv/bin/python -m pytest -q -ra -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" --dist load "$@" || rc=$?
 if [ $# -eq 0 ] && [ "${OOM_SUPERVISOR_TEST_PY310:-1}" != 0 ]; then
   say "the daemon and CLI on Python 3.10 (scripts/py310.sh)"
   bash scripts/py310.sh || { r=$?; [ "$rc" != 0 ] || rc=$r; }

@@ -18,23 +18,40 @@ REPO = Path(__file__).resolve().parent.parent
 FAKEJOB = REPO / "tests" / "jobs" / "fakejob.py"
 
 
-# --- two workers (scripts/test.sh runs pytest-xdist with --dist loadgroup) -----------------------
+# --- two workers (scripts/test.sh runs pytest-xdist) -------------------------------------------
 # Tests that share something of the machine run on one worker, one after another: the users
-# alice/bob/eve/oscar that tests/sharedbox creates in /etc/passwd, and the Slurm test clusters.
-SHARED_BY_FOLDER = {"sharedbox": "box-users", "slurm": "slurm-clusters"}
+# alice/bob/eve/oscar that tests/sharedbox creates in /etc/passwd, the Slurm test clusters, and
+# the user tests/slurm makes too (useradd fails, not waits, while another holds /etc/passwd's lock).
+# (Not xdist's `xdist_group` marks: pytest 9.2 no longer lets xdist 3.8 put the group into the
+# node ids, and loadgroup then silently spreads a group over both workers.)
+SHARED_BY_FOLDER = {"sharedbox": "the-box", "slurm": "the-box"}
+
+
+def _shared(nodeid: str) -> str | None:
+    parts = nodeid.split("/")
+    return SHARED_BY_FOLDER.get(parts[1]) if len(parts) > 2 and parts[0] == "tests" else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling, where a scope is a shared folder or else one test."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFolders(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _shared(nodeid) or nodeid
+
+    return SharedFolders(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = SHARED_BY_FOLDER.get(item.nodeid.split("/")[1] if item.nodeid.startswith("tests/") else "")
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-
-    # Longest first, so no long test is left for one worker to run alone at the end: the Slurm
-    # group (one unit of ~8 minutes), then the real trainings (`slow`), then the rest; the
-    # collection order is kept within each (a stable sort).
+    """Longest first, so no long test is left for one worker to run alone at the end: the Slurm
+    and shared-box tests (one unit of ~9 minutes on one worker), then the real trainings
+    (`slow`), then the rest; the collection order is kept within each (a stable sort)."""
     def rank(item) -> int:
-        if item.get_closest_marker("xdist_group") and "slurm" in item.nodeid.split("/")[1]:
+        if _shared(item.nodeid):
             return 0
         return 1 if item.get_closest_marker("slow") else 2
 

@@ -237,7 +237,7 @@ def test_escaped_grandchild_keeps_the_job_and_its_gpu_held(chaos, how):
     drop(chaos.spool, "ga.yaml", exclusive_job(chaos.work, a_out, "--steps=5", "--interval=0.1", "--escape=8",
                                                "--ignore-term", name="ga", gpus=[0]))
     gc_file = a_out / "grandchild.pid"
-    chaos.rec.wait(gc_file.exists, 30, "grandchild", d)
+    chaos.rec.wait(lambda: gc_file.exists() and gc_file.read_text().strip(), 30, "grandchild", d)  # written, not just made
     gc = int(gc_file.read_text())
     drop(chaos.spool, "gb.yaml", exclusive_job(chaos.work, b_out, "--steps=3", "--interval=0.1", name="gb", gpus=[0]))
     chaos.rec.wait(lambda: chaos.rec.state(2) is not None, 20, "job 2 accepted", d)

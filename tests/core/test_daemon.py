@@ -125,9 +125,12 @@ def test_kill9_daemon_with_stop_on_restart_starts_a_new_attempt(dirs, tmp_path):
 
 
 def test_power_loss_job_gone_without_exit_record_is_interrupted_and_resumed(daemon, tmp_path):
-    progress = tmp_path / "progress.txt"
+    progress, gate = tmp_path / "progress.txt", tmp_path / "go-on"
     daemon.start()
-    drop(daemon.spool, "long.yaml", job(tmp_path, "--steps", "20", "--sleep", "0.1", f"--progress={progress}"))
+    # The job holds at step 2 until the power is back (on a loaded box it could otherwise finish
+    # before the cut, and nothing would be interrupted).
+    drop(daemon.spool, "long.yaml", job(tmp_path, "--steps", "20", "--sleep", "0.1", f"--progress={progress}",
+                                        f"--gate={gate}", "--gate-step=2"))
     daemon.wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 2, what="progress")
     daemon.kill9()
     # (only this test's shim: its command line names the launch file in this test's state folder)
@@ -138,6 +141,7 @@ def test_power_loss_job_gone_without_exit_record_is_interrupted_and_resumed(daem
             pass
     time.sleep(0.3)
     daemon.start()
+    gate.write_text("")
     daemon.wait_state(1, "succeeded", timeout=60)
     shown = daemon.show(1)
     assert shown["attempt_list"][0]["interrupted"] is True
