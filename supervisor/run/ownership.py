@@ -155,10 +155,12 @@ class Owner:
     known_file: Path | None = None  # pid -> start time of every process seen, kept for a restarted daemon
     known: dict[int, float] = field(default_factory=dict)
     # Without a cgroup: the attempt's own PID namespace (its init is the shim), named in this file
-    # by the shim as `pid:[inode]`. Every process in it is the attempt's, whatever it did to its
-    # environment, session or parent, and the kernel kills them all when the shim dies.
+    # by the shim as `pid:[inode] INIT_PID INIT_START`. Every process in it is the attempt's,
+    # whatever it did to its environment, session or parent, and the kernel kills them all when
+    # the init dies. The inode alone is not a name: it is reused by a later namespace (another
+    # attempt's), so the namespace is scanned only while its init lives.
     pidns_file: Path | None = None
-    _pidns: str | None = None
+    _pidns: tuple[str, int, int] | None = None
 
     @classmethod
     def for_attempt(cls, support: OwnerSupport | None, tag: str, known_file: Path | None,
@@ -186,12 +188,20 @@ class Owner:
         return self.kind or ("pid-namespace" if self.pidns_file is not None else "process-tree")
 
     def pidns(self) -> str | None:
+        """The attempt's PID namespace while its init lives, else None (gone, or never named)."""
         if self._pidns is None and self.pidns_file is not None:
             try:
-                self._pidns = self.pidns_file.read_text().strip() or None
-            except OSError:
-                pass
-        return self._pidns
+                ns, init, start = self.pidns_file.read_text().split()
+                self._pidns = (ns, int(init), int(start))
+            except (OSError, ValueError):
+                return None  # not written yet, or an older shim's bare inode: not trusted
+        ns, init, start = self._pidns or ("", 0, 0)
+        if not ns or _start_ticks(init) != start:
+            return None
+        try:
+            return ns if os.readlink(f"/proc/{init}/ns/pid") == ns else None
+        except OSError:
+            return None
 
     # --- membership ------------------------------------------------------------------
     def remember(self, procs: list[psutil.Process]) -> None:
@@ -316,6 +326,16 @@ def marked_pids(tag: str) -> list[int]:
         if needle in env:
             out.append(int(entry))
     return out
+
+
+def _start_ticks(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def namespace_pids(ns: str) -> list[int]:

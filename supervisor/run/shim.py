@@ -151,6 +151,22 @@ def _signal_all(sig: int) -> None:
             pass
 
 
+def _name_namespace(path: Path, init: int) -> None:
+    """`pid:[inode] INIT_PID INIT_START` for the daemon: a namespace's inode number is reused once
+    it is gone, so the daemon trusts the name only while this init (pid and start time, as /proc
+    tells them outside the namespace) lives; when it dies the kernel has killed the rest."""
+    try:
+        ns = os.readlink(f"/proc/{init}/ns/pid")
+        with open(f"/proc/{init}/stat", "rb") as f:
+            stat = f.read()
+        start = int(stat[stat.rindex(b")") + 2:].split()[19])
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(f"{ns} {init} {start}\n")
+        os.replace(tmp, path)
+    except (OSError, ValueError, IndexError):
+        pass  # the daemon still has the marker and the pids it sees
+
+
 def _enter_pid_namespace(pidns_file: str | None) -> int | None:
     """Run the rest of the shim as PID 1 of a new PID namespace, the attempt's owner where no
     cgroup could be made: when this init dies, the kernel kills every process in the namespace,
@@ -177,13 +193,10 @@ def _enter_pid_namespace(pidns_file: str | None) -> int | None:
         os.close(r)
         IN_PID_NAMESPACE = True
         _set_comm(INIT_COMM)  # so the shim the daemon follows (the outer one) is told apart
-        if pidns_file:
-            try:
-                Path(pidns_file).write_text(os.readlink("/proc/self/ns/pid"))
-            except OSError:
-                pass  # the daemon still has the marker and the pids it sees
         return None
     os.close(r)
+    if pidns_file:
+        _name_namespace(Path(pidns_file), pid)
 
     def forward(signum, _frame):
         try:

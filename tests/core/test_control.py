@@ -564,3 +564,31 @@ def test_host_ram_others_hold_holds_the_attempt_back_bounded_then_it_starts_unch
     assert kinds.count("host_memory_wait") == 1 and "host_memory_wait_over" in kinds
     (attempt,) = d.store.attempts(job_id)
     assert attempt.json("overrides")["rungs"] == [], "the job was not changed for memory others held"
+
+
+def test_a_namespace_whose_init_is_gone_is_never_scanned_its_inode_is_another_attempts_later(tmp_path):
+    """A PID namespace's inode number is reused as soon as it is gone: named by its inode alone, a
+    finished attempt's namespace later named another attempt's live one, and stopping the
+    finished attempt's leftovers killed the other job's training (seen under two test workers).
+    Here the name is one this test's own process is in: it must never count as the attempt's."""
+    import subprocess
+
+    own_ns = os.readlink("/proc/self/ns/pid")
+    bare = tmp_path / "bare"
+    bare.write_text(own_ns)  # what the shim wrote before: the inode alone
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    with open(f"/proc/{gone.pid}/stat", "rb") as f:
+        stat = f.read()
+    start = int(stat[stat.rindex(b")") + 2:].split()[19])
+    gone.wait()
+    dead_init = tmp_path / "dead-init"
+    dead_init.write_text(f"{own_ns} {gone.pid} {start}\n")
+    for name in (bare, dead_init):
+        owner = Owner.for_attempt(None, "t-ns", None, create=False, pidns_file=name)
+        assert os.getpid() not in [p.pid for p in owner.members(scan=True)], name.name
+    me = tmp_path / "live-init"  # while its init lives, the namespace is the attempt's
+    with open("/proc/self/stat", "rb") as f:
+        stat = f.read()
+    me.write_text(f"{own_ns} {os.getpid()} {int(stat[stat.rindex(b')') + 2:].split()[19])}\n")
+    owner = Owner.for_attempt(None, "t-ns", None, create=False, pidns_file=me)
+    assert os.getpid() in [p.pid for p in owner.members(scan=True)]
