@@ -1,14 +1,12 @@
 """A shared box submits each attempt as its job's owner (`sbatch --uid/--gid`, root only), on the real
 single-node cluster with a real non-root user (made here with useradd, removed after).
 
-The submission side is issue 17's (`supervisor.run.slurm.submit(..., run_as=(uid, gid))`); until it is
-on this branch the test says so and skips. Measured by hand on scripts/slurm.sh's cluster:
+The submission side is `supervisor.run.slurm.submit(..., run_as=(uid, gid))`. Measured by hand on scripts/slurm.sh's cluster:
 `sbatch --uid=1005 --gid=1007` as root -> UserId=<user>(1005) GroupId=(1007), the job's `id -u` 1005,
 its output file the user's."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import pwd
 import shutil
@@ -23,8 +21,6 @@ from supervisor.run import slurm as sl
 
 from .conftest import wait_file, wait_terminal
 
-SUBMITS_AS_OWNER = "run_as" in inspect.signature(sl.submit).parameters
-
 
 @pytest.fixture
 def user():
@@ -38,8 +34,6 @@ def user():
         subprocess.run(["userdel", name], check=False, timeout=30)
 
 
-@pytest.mark.skipif(not SUBMITS_AS_OWNER, reason="sbatch --uid/--gid (supervisor.run.slurm.submit(run_as=...)) comes "
-                                                 "with issue 17 (branch sharedbox17), not on this branch yet")
 def test_an_attempt_is_submitted_and_runs_as_its_owner(slurm, user):
     # Outside pytest's temp folders (0700, root's) and with /bin/sh (the venv may live in /root):
     # what the user's job needs must be theirs to reach.
