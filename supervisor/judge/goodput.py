@@ -53,8 +53,8 @@ RUNNABLE_STATES = ("queued", "waiting_retry")
 
 # --------------------------------------------------------------------------- marks (live)
 
-# transformers' Trainer (5.x) logs these through LLaMA-Factory's INFO handler on rank 0 (measured,
-# /work/notes/universal-ckpt.md C.3): "Loading model from <ckpt>." when a non-DeepSpeed resume
+# transformers' Trainer (5.x) logs these through LLaMA-Factory's INFO handler on rank 0 (measured
+# with LLaMA-Factory 0.9.5, transformers 5.6, DeepSpeed 0.19.8): "Loading model from <ckpt>." when a non-DeepSpeed resume
 # loads the weights (the optimizer follows silently), "Attempting to resume from <ckpt>"
 # (integrations/deepspeed.py) when DeepSpeed loads weights and optimizer; "***** Running training
 # *****" once _prepare_for_training has loaded them all; "Saving model checkpoint to <dir>" at the

@@ -211,7 +211,7 @@ def test_universal_is_not_offered_for_a_zero_stage_change():
     assert plan.mode == "restart"
 
 
-# --- universal checkpoints (measured: /work/notes/universal-ckpt.md, tests/checkpoints/test_real_*) ----------
+# --- universal checkpoints (measured for real: tests/checkpoints/test_real_*) ----------------------------
 
 def test_a_zero2_world_size_change_turns_round_robin_gradients_off_in_the_target():
     plan = plan_resume(ckpt(deepspeed=True, zero_stage=2, world=1), prev=shape(2, 4, world=1, stage=2),

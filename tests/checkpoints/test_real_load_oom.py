@@ -1,6 +1,6 @@
 """A resume-time host OOM on the CPU, for real: diagnosed `checkpoint_load` from the real log and
 exit status, answered with a load-time remedy that leaves the batch alone, and the resumed run
-passes under the same limit (/work/notes/universal-ckpt.md C.2).
+passes under the same limit.
 
 A 13.5M-parameter Llama under ZeRO-3 saves checkpoint-2 on ONE rank; the job then gets its 2 ranks.
 The plan converts the checkpoint to DeepSpeed's universal format, and DeepSpeed's ZeRO-3 universal

@@ -15,7 +15,7 @@ the order of fp32 sums (2 ranks all-reduce the mean of two micro-batches' gradie
 accumulates the same two), ~5e-7 absolute where it shows. It holds because the start-up hook
 corrects DeepSpeed 0.19's ZeRO-3 universal load (one Adam `step` tensor shared by both param
 groups: the step advanced twice a step, worst loss difference 6.7e-5 here without the fix, 3e-3
-at lr 1e-3 in /work/notes/universal-ckpt.md A.3). What it catches: a lost optimizer state, a
+at lr 1e-3 in a longer run by hand). What it catches: a lost optimizer state, a
 wrong data position (neighbouring steps' losses differ by 4e-4 relative and more), scrambled
 weights (the round-robin ZeRO-2 trap moved them by 1e-2), a restarted schedule (lr compared exactly).
 """

@@ -1,7 +1,7 @@
 """Correct DeepSpeed 0.19's ZeRO-3 universal checkpoint load (OOM_SUPERVISOR_DS_UNIVERSAL_FIX=1).
 
-`DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3` (measured,
-/work/notes/universal-ckpt.md A.3):
+`DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3` (measured on
+DeepSpeed 0.19.8, tests/checkpoints/test_real_world_size.py):
   * gives every parameter sub-group ONE shared `step` tensor: torch's fused AdamW increments it
     in place once per group, so after a universal load Adam's step counter advances by the number
     of groups per step (HF makes two: decay / no decay) and the bias correction drifts;
