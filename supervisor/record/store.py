@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
+
 from supervisor.core.states import JobState, check_transition
 
 MIGRATIONS: list[str] = [
@@ -179,6 +181,10 @@ class EventRow:
     data: str | None
 
 
+def _locked(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
+
 class SchemaTooNew(RuntimeError):
     pass
 
@@ -194,12 +200,21 @@ class Store:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
         self.conn.row_factory = sqlite3.Row
-        self.conn.execute("PRAGMA journal_mode=WAL")
+        self._wal()
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.execute("PRAGMA foreign_keys=ON")
         self.conn.execute("PRAGMA busy_timeout=30000")
         self._depth = 0
         self._migrate()
+
+    def _wal(self) -> None:
+        """Switch to WAL. On a new file this takes an exclusive lock, and SQLite answers a second
+        switch at that moment 'database is locked' without calling the busy handler (the daemon and
+        a CLI command creating the state together): retried within the same 30 s as any lock."""
+        for attempt in Retrying(stop=stop_after_delay(30), wait=wait_exponential(multiplier=0.005, max=0.5),
+                                retry=retry_if_exception(_locked), reraise=True):
+            with attempt:
+                self.conn.execute("PRAGMA journal_mode=WAL")
 
     def close(self) -> None:
         self.conn.close()
