@@ -2,15 +2,18 @@
 exit status, answered with a load-time remedy that leaves the batch alone, and the resumed run
 passes under the same limit.
 
-A 13.5M-parameter Llama under ZeRO-3 saves checkpoint-2 on ONE rank; the job then gets its 2 ranks.
-The plan converts the checkpoint to DeepSpeed's universal format, and DeepSpeed's ZeRO-3 universal
-loader makes EVERY rank hold the old rank 0's whole optimizer file (zero/optimizer_state.pt,
-162 MB) while it loads. Under RLIMIT_DATA 2,652,160 KiB per process (the supervisor's limit
-without a cgroup), which the 2-rank steady state fits (measured peaks ~2550 MiB a rank, and the
-remedied attempt below trains steps 3-4 under it), the load fails in the CPU allocator. The
-policy answers `universal_load`: the same universal load with that file slimmed to what the
-loader reads (its size goes from ~155 MiB to a few KiB): it passes, with the losses of an
-uninterrupted run.
+A 38.9M-parameter Llama (12 layers of 512) under ZeRO-3 saves checkpoint-2 on ONE rank; the job
+then gets its 2 ranks. The plan converts the checkpoint to DeepSpeed's universal format, and
+DeepSpeed's ZeRO-3 universal loader makes EVERY rank hold the old rank 0's whole optimizer file
+(zero/optimizer_state.pt, 444 MiB) while it loads. Under RLIMIT_DATA 3,060 MiB per process (the
+supervisor's limit without a cgroup), the load fails in the CPU allocator; the 2-rank steady state
+fits. The policy answers `universal_load`: the same universal load with that file slimmed to what
+the loader reads (a few KiB): it passes, with the losses of an uninterrupted run.
+
+Where the limit sits (VmData peaks per rank, sampled every 20 ms, no limit): the unslimmed load
+3,176 and 3,233 MiB, the slimmed attempt 2,945 and 2,948 MiB; the limit is in the middle, ~115 MiB
+from each. With 4 layers (13.5M parameters, a 155 MiB file) the two were 64 MiB apart (2,528 vs
+2,592): a limit between them was a coin toss on a loaded box (seen in CI: the unslimmed load fitted).
 """
 
 from __future__ import annotations
@@ -47,13 +50,13 @@ from tests.conftest_ml import (
 pytestmark = [pytest.mark.slow, pytest.mark.ml]
 
 POLICY = load_policy("default", search_dirs=[BUILTIN_POLICY_DIR])
-LIMIT = 2_652_160 * 1024  # RLIMIT_DATA per process: the steady state fits, the unslimmed load does not
+LIMIT = 3_060 << 20  # RLIMIT_DATA per process: the steady state fits, the unslimmed load does not
 
 
 def config(out: Path) -> dict:
     from supervisor.demo.assets import build_demo_assets, demo_job_config
 
-    assets = build_demo_assets(CACHE / "assets", hidden=512, layers=4, heads=8, max_positions=512, n_short=64,
+    assets = build_demo_assets(CACHE / "assets", hidden=512, layers=12, heads=8, max_positions=512, n_short=64,
                                n_long=0, long_tokens=100)
     cfg = demo_job_config(assets, out, micro_batch=2, grad_accum=1, save_steps=2)
     cfg.update(cutoff_len=256, max_steps=4, learning_rate=1.0e-4, report_to="none", seed=42)
