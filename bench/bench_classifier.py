@@ -57,9 +57,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print each miss's summary")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(args.code).resolve() if args.code else REPO))
-    from supervisor.core.models import ExitRecord, HostEvidence
-    from supervisor.judge.diagnosis import diagnose_bytes
+    code = Path(args.code).resolve() if args.code else REPO
+    sys.path.insert(0, str(code))
+    # An editable install's finder would answer `import supervisor` before sys.path is searched.
+    sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+    import supervisor
+
+    if not Path(supervisor.__file__).resolve().is_relative_to(code):
+        sys.exit(f"bench_classifier: imported supervisor from {supervisor.__file__}, not from {code}")
+    try:
+        from supervisor.core.models import ExitRecord, HostEvidence
+        from supervisor.judge.diagnosis import diagnose_bytes
+    except ImportError:  # a tree from before the layout by layer (e7308bd and older)
+        from supervisor.diagnosis import diagnose_bytes
+        from supervisor.models import ExitRecord, HostEvidence
 
     cases = sorted(Path(args.fixtures).rglob("*.expect.yaml"))
     if args.only == "real":
