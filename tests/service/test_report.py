@@ -165,3 +165,22 @@ def test_loss_points_go_to_the_attempt_the_record_says_even_without_a_seam_in_th
     assign_by_record([a1, a2, a3], recs)
     assert [s for s, _ in a1.losses] == list(range(1, 9))
     assert a2.losses == [] and [s for s, _ in a3.losses] == [9]
+
+
+def test_the_night_table_and_the_time_buckets_never_give_failed_attempts_two_figures(tmp_path):
+    """Seen on a real demo night: the night table said 'time in failed attempts 0m38s' (the wall
+    time of the attempts that failed) right above the goodput table's 'failed attempts 0m22s' (what
+    of them was neither start-up nor training kept by a checkpoint). The night table gives each
+    job's goodput instead, the same figure as the buckets below it."""
+    state, _ = build_night(tmp_path)
+    out = tmp_path / "report"
+    assert report_cli(state.root, "1", "2", "3", "-o", str(out)).returncode == 0
+    md = (out / "report.md").read_text()
+    assert "time in failed attempts" not in md
+    night_head = next(ln for ln in md.splitlines() if ln.startswith("| job | name |"))
+    assert "| goodput |" in night_head
+    row = next(ln for ln in md.splitlines() if ln.startswith("| 1 | llama-lora-zh |"))
+    bucket_row = next(ln for ln in md.splitlines() if ln.startswith("| job 1 llama-lora-zh |"))
+    wall, goodput = bucket_row.split("|")[2].strip(), bucket_row.split("|")[3].strip()
+    assert goodput.endswith("%") and row.split("|")[9].strip() == goodput, (row, bucket_row)
+    assert row.split("|")[8].strip() == wall, (row, bucket_row)
