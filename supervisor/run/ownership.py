@@ -39,6 +39,7 @@ from pathlib import Path
 import psutil
 
 from supervisor.run.limits import _mounts, _own_cgroup_path
+from supervisor.run.procstat import stat_field
 
 MARKER_ENV = "OOM_SUPERVISOR_ATTEMPT"
 
@@ -196,7 +197,7 @@ class Owner:
             except (OSError, ValueError):
                 return None  # not written yet, or an older shim's bare inode: not trusted
         ns, init, start = self._pidns or ("", 0, 0)
-        if not ns or _start_ticks(init) != start:
+        if not ns or stat_field(init, 22) != start:
             return None
         try:
             return ns if os.readlink(f"/proc/{init}/ns/pid") == ns else None
@@ -326,16 +327,6 @@ def marked_pids(tag: str) -> list[int]:
         if needle in env:
             out.append(int(entry))
     return out
-
-
-def _start_ticks(pid: int) -> int | None:
-    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def namespace_pids(ns: str) -> list[int]:

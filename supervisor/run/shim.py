@@ -28,7 +28,7 @@ setuid (all three ids of each), checked, then chdir as the user. A spec that ask
 and has none, or a drop that did not take, runs nothing.
 
 It stays tiny on purpose: stdlib only, no torch, no supervisor imports beyond
-atomic writes.
+`run/procstat` (itself stdlib only).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from supervisor.run.procstat import stat_field
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NAME = 15
@@ -101,13 +103,9 @@ def _descendants() -> list[int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        except (OSError, ValueError):
-            continue
-        parents[int(entry)] = ppid
+        ppid = stat_field(entry, 4)
+        if ppid is not None:
+            parents[int(entry)] = ppid
     out, frontier = [], {me}
     while frontier:
         nxt = {pid for pid, pp in parents.items() if pp in frontier and pid not in out and pid != me}
@@ -157,13 +155,13 @@ def _name_namespace(path: Path, init: int) -> None:
     tells them outside the namespace) lives; when it dies the kernel has killed the rest."""
     try:
         ns = os.readlink(f"/proc/{init}/ns/pid")
-        with open(f"/proc/{init}/stat", "rb") as f:
-            stat = f.read()
-        start = int(stat[stat.rindex(b")") + 2:].split()[19])
+        start = stat_field(init, 22)
+        if start is None:
+            return
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(f"{ns} {init} {start}\n")
         os.replace(tmp, path)
-    except (OSError, ValueError, IndexError):
+    except OSError:
         pass  # the daemon still has the marker and the pids it sees
 
 
