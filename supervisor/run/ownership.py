@@ -39,6 +39,7 @@ from pathlib import Path
 import psutil
 
 from supervisor.run.limits import _mounts, _own_cgroup_path
+from supervisor.run.fsutil import atomic_write_text
 from supervisor.run.procstat import stat_field
 
 MARKER_ENV = "OOM_SUPERVISOR_ATTEMPT"
@@ -215,10 +216,9 @@ class Owner:
             except psutil.Error:
                 pass
         if changed and self.known_file is not None:
-            try:
-                tmp = self.known_file.with_name(f".{self.known_file.name}.tmp")
-                tmp.write_text(json.dumps({str(k): v for k, v in self.known.items()}))
-                os.replace(tmp, self.known_file)
+            try:  # 0600 like every file about a job; not fsynced: the cgroup/marker still tell
+                atomic_write_text(self.known_file, json.dumps({str(k): v for k, v in self.known.items()}),
+                                  durable=False)
             except OSError:
                 pass  # a full disk must not stop us following; the cgroup/marker still tell
 

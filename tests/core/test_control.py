@@ -592,3 +592,18 @@ def test_a_namespace_whose_init_is_gone_is_never_scanned_its_inode_is_another_at
     me.write_text(f"{own_ns} {os.getpid()} {int(stat[stat.rindex(b')') + 2:].split()[19])}\n")
     owner = Owner.for_attempt(None, "t-ns", None, create=False, pidns_file=me)
     assert os.getpid() in [p.pid for p in owner.members(scan=True)]
+
+
+def test_procs_json_is_private_like_every_other_file_about_a_job(tmp_path):
+    """procs.json names the pids of a job's processes: 0600 like the rest of the attempt's
+    record (it was written 0644 through the umask)."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        owner = Owner.for_attempt(None, "job-1-attempt-1", tmp_path / "procs.json", create=True)
+        owner.remember([psutil.Process()])
+    finally:
+        os.umask(old)
+    assert json.loads((tmp_path / "procs.json").read_text()) == {str(os.getpid()): psutil.Process().create_time()}
+    assert stat.S_IMODE((tmp_path / "procs.json").stat().st_mode) == 0o600
