@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -372,7 +373,7 @@ def cmd_status(args) -> int:
         table.add_column("WHY", overflow="fold")
     for r in rows:
         cells = [str(r["id"]), *((r.get("owner") or "-",) if owners else ()), r["name"], r["state"],
-                 str(r["attempts"]), r.get("progress") or "-", r.get("last_diagnosis") or "-", r.get("remedy") or "-"]
+                 str(r["attempts"]), r.get("progress") or "-", r.get("last") or r.get("last_diagnosis") or "-", r.get("remedy") or "-"]
         table.add_row(*(Text(str(c)) for c in cells), *([Text(r.get("reason") or "")] if wide else []))
     if paused:
         line = Text("queue paused", style="bold red")
@@ -517,9 +518,15 @@ def _request(args, op: str) -> int:
     job = {"job": args.job} if op != "unpause" else {}
     if remote is not None:
         return _say(_call(remote, op, **job))
+    import pwd
+
+    try:  # the record says who asked, as the control socket does from SO_PEERCRED
+        who: str | None = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        who = f"uid {os.getuid()}"
     store = _store(cfg)
     try:
-        return _say(getattr(requests, op)(store, *job.values()))
+        return _say(getattr(requests, op)(store, *job.values(), who=who))
     finally:
         store.close()
 

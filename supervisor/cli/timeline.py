@@ -20,10 +20,21 @@ def job_summary(store, job) -> dict[str, Any]:
         "next_remedy": (json.loads(job.next_overrides).get("rungs") if job.next_overrides else None),
         "progress": progress,
         "last_diagnosis": diag.get("category") if diag else None,
+        "last": _last(job, last, diag),
         "reason": job.reason, "submitted_at": job.submitted_at, "updated_at": job.updated_at,
         "not_before": job.not_before,
         "goodput": _goodput(store, job),
     }
+
+
+def _last(job, attempt, diag: dict | None) -> str | None:
+    """What ended the last attempt, in status's LAST column: a cancel is said as one (with the
+    job's reason, which names who asked), not as the stopped attempt's `unknown` diagnosis."""
+    decision = (attempt.json("decision") or {}) if attempt else {}
+    if str(job.state) == "cancelled" or decision.get("kind") == "cancelled":
+        reason = job.reason or ""
+        return reason if reason.startswith("cancelled") else "cancelled"
+    return diag.get("category") if diag else None
 
 
 def _goodput(store, job) -> dict[str, Any] | None:

@@ -47,7 +47,7 @@ class Journal:
 
     def cancelled(self, job_id: int, reason: str = "cancelled by the user") -> None:
         self.store.transition(job_id, JobState.CANCELLED, reason)
-        self.notify(job_id, "cancelled", "cancelled by the user")
+        self.notify(job_id, "cancelled", reason)
 
     # --- notifications -------------------------------------------------------------------------
     def notify(self, job_id: int, kind: str, message: str, **extra: Any) -> None:

@@ -36,6 +36,7 @@ from supervisor.run.checkpoints import apply_fixups, quarantine, reclaim
 from supervisor.run.diskfull import is_disk_full
 from supervisor.run.fsutil import atomic_write_json, atomic_write_text
 from supervisor.run.identity import Identity, UnknownUser
+from supervisor.record import requests
 from supervisor.run.ownership import MARKER_ENV
 from supervisor.service.logsetup import log
 from supervisor.service.notify import Notifier
@@ -232,7 +233,8 @@ class Runner:
         if self.store.job(job.id).cancel_requested:
             # The cancel landed right after the start was committed: run nothing, settle it now.
             self.store.update_attempt(job.id, n, ended_at=self.clock(), decision=json.dumps({"kind": "cancelled"}))
-            self.journal.cancelled(job.id, "cancelled by the user before the attempt launched")
+            who = requests.requested_by(self.store, job.id) or "the user"
+            self.journal.cancelled(job.id, f"cancelled by {who} before the attempt launched")
             self.backend.release(res)
             return None
         try:

@@ -31,6 +31,7 @@ from supervisor.daemon.journal import Journal
 from supervisor.intake.llamafactory.launch import pinned_nproc
 from supervisor.judge.kinds import kind_of
 from supervisor.judge.nodes import locate, node_of_rank
+from supervisor.record import requests
 from supervisor.run import kernel_log, proctree
 from supervisor.run.diskfull import free_bytes
 from supervisor.run.fsutil import atomic_write_json, tail_text
@@ -203,7 +204,7 @@ class Verdicts:
                     f" (last attempt {last.number if last else None}); nothing more to do", attempt=act.number)
         elif job.cancel_requested or stopped_by == "cancel":
             self.store.update_attempt(act.job_id, act.number, decision=json.dumps({"kind": "cancelled"}))
-            j.cancelled(act.job_id)
+            j.cancelled(act.job_id, f"cancelled by {requests.requested_by(self.store, act.job_id) or 'the user'}")
         elif stopped_by == "cancelled_outside":
             self.store.update_attempt(act.job_id, act.number, decision=json.dumps(
                 {"kind": "fail", "reason": "cancelled in Slurm"}))

@@ -8,6 +8,7 @@ that the job is theirs. Both go through these functions, so the record reads the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from supervisor.core.states import JobState
@@ -27,6 +28,14 @@ def _by(who: str | None) -> str:
     return f"by {who}" if who else "by the user"
 
 
+def requested_by(store: Store, job_id: int) -> str | None:
+    """Who asked for the job's latest cancel (the daemon settles it later, in its own words)."""
+    for e in reversed(store.events(job_id)):
+        if e.kind == "cancel_requested":
+            return (json.loads(e.data) or {}).get("by") if e.data else None
+    return None
+
+
 def cancel(store: Store, job_id: int, *, who: str | None = None) -> Reply:
     with store.tx():
         job = store.job(job_id)
@@ -37,7 +46,8 @@ def cancel(store: Store, job_id: int, *, who: str | None = None) -> Reply:
                          f"job {job.id} is already {job.state}")
         if job.state == JobState.RUNNING:
             store.update_job(job.id, cancel_requested=1)
-            store.event(job.id, "cancel_requested", f"cancel requested {_by(who)}; the daemon stops the attempt")
+            store.event(job.id, "cancel_requested", f"cancel requested {_by(who)}; the daemon stops the attempt",
+                        data={"by": who})
             return Reply(EXIT_OK, f"job {job.id}: cancel requested; the daemon stops its attempt")
         store.transition(job.id, JobState.CANCELLED, f"cancelled {_by(who)}")
     return Reply(EXIT_OK, f"job {job_id}: cancelled")

@@ -4,6 +4,7 @@ cutting a path; `status` and `show` say the same when there is no state, and whe
 from __future__ import annotations
 
 import os
+import time
 import sqlite3
 import subprocess
 import sys
@@ -61,3 +62,26 @@ def test_status_and_show_agree_without_state_and_point_at_the_demos(tmp_path):
     hint = f"the demo's state is {demo}: add `--state-dir {demo}`"
     assert hint in status.stdout and hint in show.stderr
     assert cli(tmp_path, "show", "1", "--state-dir", str(demo)).returncode == 0
+
+
+def test_status_last_column_says_cancelled_and_by_whom(daemon, dirs):
+    """A cancelled job's LAST said `unknown` (the stopped attempt's diagnosis); it says
+    `cancelled by <who>`, as the job's reason and `show` do."""
+    import pwd
+
+    from tests.conftest import command_job, drop, fakejob
+
+    _, spool, work = dirs
+    daemon.start()
+    drop(spool, "long.yaml", command_job(work, fakejob("--steps", "600", "--sleep", "0.1")))
+    daemon.wait_state(1, "running")
+    time.sleep(0.5)
+    res = daemon.cli("cancel", "1", check=True)
+    assert "cancel requested" in res.stdout
+    daemon.wait_state(1, "cancelled", timeout=60)
+    me = pwd.getpwuid(os.getuid()).pw_name
+    row = daemon.status()[0]
+    assert row["last"] == f"cancelled by {me}", row
+    assert row["reason"] == f"cancelled by {me}", row
+    table = daemon.cli("status", check=True).stdout
+    assert f"cancelled by {me}" in " ".join(table.split()) and "unknown" not in table, table
