@@ -17,7 +17,8 @@ from supervisor.core.states import JobState
 from supervisor.record.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
-NASTY = ["[/bold]", "[rank1]", "[red]x", "[cuda, PyTorch caching allocator]", "[link=file:///etc]y[/link]"]
+NASTY = ["[/bold]", "[rank1]", "[red]x", "[cuda, PyTorch caching allocator]", "[link=file:///etc]y[/link]",
+         "[rank1]:", "[/x/*.parquet]", "[bold]", "[/]", "[link=http://h/p]"]
 
 
 def cli(tmp_path: Path, *args: str, columns: int = 80, cwd: Path | None = None, timeout: float = 60):
@@ -28,6 +29,13 @@ def cli(tmp_path: Path, *args: str, columns: int = 80, cwd: Path | None = None, 
            "--spool-dir", str(tmp_path / "spool"), "--config", str(conf), *args[1:]]
     env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout, env=env)
+
+
+def bare(tmp_path: Path, *args: str, columns: int = 80):
+    """A command that takes no state folder (explain, plan)."""
+    env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60, env=env)
 
 
 @pytest.fixture
@@ -66,6 +74,44 @@ def test_show_prints_brackets_verbatim(tmp_path, nasty_state):
     for s in [*NASTY, "/w[/i]", "[rank1]: torch.OutOfMemoryError: [/red] boom", "because [rank1] said [/]",
               "[bold]r", "OOM in [cuda, PyTorch caching allocator] [/bold]", "[/why]"]:
         assert s in out, (s, out)
+
+
+def test_watch_prints_brackets_verbatim(tmp_path, nasty_state):
+    """watch draws the job and its log tail with rich's Live: the record's text and the log's
+    bracketed lines are shown as written (the job has ended: one frame, then exit 1)."""
+    log = tmp_path / "state" / "jobs" / str(nasty_state) / "attempt-1" / "output.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("step 1\n[rank1]: loading [/x/*.parquet] [bold] [/] [link=http://h/p]y\n")
+    res = cli(tmp_path, "watch", str(nasty_state), columns=250)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "[red]x" in res.stdout and "gave up: [/bold] [rank1]" in res.stdout, res.stdout
+    assert "[rank1]: loading [/x/*.parquet] [bold] [/] [link=http://h/p]y" in res.stdout, res.stdout
+
+
+def test_explain_prints_brackets_and_long_lines_verbatim(tmp_path):
+    text = " ".join(NASTY)
+    log = tmp_path / "crash.log"
+    log.write_text(f"reading {text}\n[rank1]: Traceback (most recent call last):\n"
+                   f'[rank1]:   File "train.py", line 3, in <module>\n'
+                   f"[rank1]: ValueError: cannot read [/x/*.parquet] {text} " + "y" * 5000 + "\n")
+    res = bare(tmp_path, "explain", str(log))
+    assert res.returncode == 0, res.stderr
+    assert "[rank1]: ValueError: cannot read [/x/*.parquet] [/bold] [rank1] [red]x" in res.stdout, res.stdout
+    assert "[link=file:///etc]y[/link]" in res.stdout
+
+
+def test_plan_prints_brackets_in_names_and_paths_verbatim(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "supervisor": {"name": "[rank1]: [bold]night[/] [link=http://h/p]y"},
+        "model_name_or_path": "/models/[/x/*.parquet]", "stage": "sft", "do_train": True,
+        "finetuning_type": "lora", "dataset": "alpaca_en_demo", "template": "llama3",
+        "output_dir": str(tmp_path / "out[/]"), "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2}))
+    res = bare(tmp_path, "plan", str(job))
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert res.stdout.startswith("[rank1]: [bold]night[/] [link=http://h/p]y: policy"), res.stdout
+    assert "/models/[/x/*.parquet] does not exist here" in res.stdout, res.stdout
 
 
 # --- submit ---------------------------------------------------------------------------------
