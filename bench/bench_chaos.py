@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.chaos.harness import kill_storm
+from tests.chaos.harness import kill_storm  # noqa: E402 - after sys.path names the checkout
 
 
 def main() -> int:

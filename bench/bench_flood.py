@@ -20,8 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from supervisor.intake.jobspec import parse_size
-from tests.chaos.harness import config_knows, flood_cancel
+from supervisor.intake.jobspec import parse_size  # noqa: E402 - after sys.path names the checkout
+from tests.chaos.harness import config_knows, flood_cancel  # noqa: E402 - after sys.path names the checkout
 
 
 def main() -> int:

@@ -212,7 +212,7 @@ def cmd_submit(args) -> int:
         print(f"oom-supervisor: cannot write the job into the spool {cfg.spool.incoming}: {where}: "
               f"{exc.strerror or exc} ({_why_unwritable(exc)}); nothing was submitted", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as exc:  # a bug of ours must still not print a traceback at the user
+    except Exception as exc:  # noqa: BLE001 - a bug of ours must still not print a traceback at the user
         print(f"oom-supervisor: {shown} could not be checked ({type(exc).__name__}: {str(exc)[:200]}); "
               "nothing was submitted", file=sys.stderr)
         return EXIT_USAGE

@@ -14,7 +14,6 @@ from typing import Any
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
-from rich.table import Table
 from rich.text import Text
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -168,7 +167,7 @@ def print_timeline(data: dict[str, Any], console: Console | None = None) -> None
     prev_changes = False
     for a in data["attempt_list"]:
         console.print(attempt_panel({**a, "changes_said": prev_changes}))
-        prev_changes = bool(((a.get("decision") or {}).get("changes")))
+        prev_changes = bool((a.get("decision") or {}).get("changes"))
     # Each decision is said once, in its attempt's panel: the events that repeat a panel's lines
     # (its start, its fatal line, its end and diagnosis, the state change its decision made) are not
     # listed again. Lines, not a table: a path is never cut in the middle at 80 columns.

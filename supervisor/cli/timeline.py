@@ -43,7 +43,7 @@ def _goodput(store, job) -> dict[str, Any] | None:
 
     try:
         return goodput_dict(store, job)
-    except Exception:  # a view must show the rest of the record whatever one computation does
+    except Exception:  # noqa: BLE001 - a view must show the rest of the record whatever one computation does
         return None
 
 

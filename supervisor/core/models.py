@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from supervisor.core.compat import StrEnum
 from typing import Any
+
+from supervisor.core.compat import StrEnum
 
 
 class Category(StrEnum):

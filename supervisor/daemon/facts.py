@@ -191,10 +191,10 @@ class Facts:
         if python and (who is not None or not self.cfg.system_mode):
             try:
                 res = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=30, cwd="/",
-                                     **as_user_kwargs(who))
+                                     **as_user_kwargs(who), check=False)
                 found.update(json.loads(res.stdout.strip().splitlines()[-1]))
-            except Exception:
-                pass
+            except (OSError, subprocess.SubprocessError, ValueError, IndexError, TypeError):
+                pass  # a probe that cannot run, or says nothing readable: the versions stay unknown
         self._versions[key] = found
         return found
 
@@ -256,7 +256,7 @@ class Facts:
         """Everything `plan_attempt` needs for attempt `number` (read once, here)."""
         try:
             spec = self.spec_of(job.id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - an unreadable job file of any kind is said in the plan (spec_error), not raised into the loop
             return JobFacts(job_id=job.id, number=number, spec=None, spec_error=str(exc),
                             crash_interruptions=self.crash_interruptions(job.id),
                             max_interruptions=self.cfg.max_interruptions)
@@ -264,7 +264,7 @@ class Facts:
         policy = policy_error = None
         try:
             policy = self.policy(spec, job)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a policy that cannot be read is said in the plan (policy_error), whatever the reason
             policy_error = str(exc)
         escalation = Overrides.from_dict(json.loads(job.next_overrides)) if job.next_overrides else None
         learned = self.learned_start(job, spec, policy) if (number == 1 and escalation is None and kind.learns) else None
@@ -309,6 +309,6 @@ class Facts:
                 return Learned(refusal=refused)
             overrides, why = first_attempt(self.cfg.state.root, ctx, policy)
             return Learned(overrides=overrides, why=why)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a learned start is an optimisation: without it the job starts as written, never stalls
             log.exception("learned_plan_unavailable", job=job.id)
             return None

@@ -55,7 +55,7 @@ class Journal:
         job = self.store.job(job_id)
         try:
             spec_notify = self.job_notify(job_id)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a job file gone bad must not cost the notification itself
             spec_notify = []
         self._outbox.append({"event": kind, "job": job_id, "name": job.name if job else None, "message": message,
                              "attempts": len(self.store.attempts(job_id)), "ts": self.clock(),
@@ -68,7 +68,7 @@ class Journal:
         for event in out:
             try:
                 self.notifier.send(event)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a notifier's failure is logged; the record is already committed
                 log.exception("notify_failed", event=event.get("event"))
 
     def discard(self) -> None:

@@ -176,7 +176,7 @@ class Daemon:
     def _status_line(self) -> str:
         try:
             line = status_from_store(self.store, running=len(self.active))
-        except Exception:
+        except Exception:  # noqa: BLE001 - the status line is cosmetic: a count stands in
             line = f"{len(self.active)} running"
         return f"{line}; STATE DISK FULL" if self.disk_full else line
 
@@ -193,7 +193,7 @@ class Daemon:
         if self.metrics is not None:
             try:
                 self.metrics.update(self.store, [self._running_info(a) for a in self.active.values()])
-            except Exception:
+            except Exception:  # noqa: BLE001 - metrics are best effort; the loop goes on
                 log.exception("metrics_update_failed")
 
     def _running_info(self, act) -> RunningJob:
@@ -204,14 +204,14 @@ class Daemon:
     def _run_step(self, name: str, step) -> None:
         try:
             step()
-        except Exception as exc:  # one failing step must not stop the loop
+        except Exception as exc:  # noqa: BLE001 - one failing step must not stop the loop
             if is_disk_full(exc):
                 self._on_disk_full(exc)
                 return
             log.exception("step_failed", step=name)
             try:
                 self.store.event(None, "daemon_error", f"step {name} failed: {exc!r}")
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - recording the failure is best effort; it is logged above
                 pass
 
     def _on_disk_full(self, exc: BaseException) -> None:
@@ -228,7 +228,7 @@ class Daemon:
         try:
             self.store.set_meta("state_disk_ok_at", str(self.clock()))
             self.store.event(None, "daemon", f"the state folder has room again; resuming ({self.disk_full})")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a probe of the state disk; anything but a full disk is logged
             if not is_disk_full(exc):
                 log.exception("disk_probe_failed")
             return
@@ -244,7 +244,7 @@ class Daemon:
         """
         try:
             return fn(*args)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - one job's failure must not stall the loop or the others (rule 9)
             if is_disk_full(exc):
                 self._on_disk_full(exc)
                 return None
@@ -253,12 +253,12 @@ class Daemon:
             if act is not None:
                 try:
                     self.runner.broke(act, f"{what}: {exc!r}")
-                except Exception:
+                except Exception:  # noqa: BLE001 - the job is being failed already; this stop is logged
                     log.exception("stop_after_internal_error_failed", job=job_id)
                 return None
             try:
                 self.runner.internal_failure(job_id, f"{what}: {exc!r}")
-            except Exception as inner:
+            except Exception as inner:  # noqa: BLE001 - one job's failure must not stall the loop or the others (rule 9)
                 if is_disk_full(inner):
                     self._on_disk_full(inner)
                 else:
@@ -272,7 +272,7 @@ class Daemon:
         for job_id, act in list(self.active.items()):
             try:
                 self.runner.stop(act, reason="shutdown", grace_s=self.cfg.stop_grace)
-            except Exception:
+            except Exception:  # noqa: BLE001 - at shutdown every attempt gets its stop, whatever one of them raises
                 log.exception("shutdown_stop_failed", job=job_id)
         deadline = time.monotonic() + self.cfg.stop_grace + STUCK_AFTER_S
         while self.active and time.monotonic() < deadline:
@@ -286,7 +286,7 @@ class Daemon:
             log.error("shutdown_left_processes", job=job_id, message=msg)
             try:
                 self.store.event(job_id, "attempt_stuck", msg, attempt=act.number)
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - the stuck processes are logged above; the event is best effort
                 pass
         self.runner.flush_notifications()
         self.notifier.reap(wait=True)
@@ -319,7 +319,7 @@ class Daemon:
                 continue
             try:
                 self.runner.finish(act)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - one job's verdict failing must not stall the loop or the others (rule 9)
                 self.runner.discard_notifications()
                 if is_disk_full(exc):
                     self._on_disk_full(exc)  # its processes are gone; the verdict waits for room
@@ -369,7 +369,7 @@ class Daemon:
         """`after:` jobs must have succeeded; one that failed or was cancelled is said once."""
         try:
             after = self.runner.spec_of(job.id).sup.after
-        except Exception:
+        except Exception:  # noqa: BLE001 - start() reports the unreadable job file, with its reason
             return True  # start() reports the unreadable job file
         for dep in after:
             other = self.store.job(dep)
@@ -420,7 +420,7 @@ class Daemon:
             return True, None  # start() settles a cancel; a scheduler allocates its own GPUs
         try:
             sup = self.runner.spec_of(job.id).sup
-        except Exception:
+        except Exception:  # noqa: BLE001 - start() reports an unreadable job file, with its reason
             return True, None
         taken: set[int] = set()
         for act in self.active.values():
@@ -448,7 +448,7 @@ class Daemon:
         spec = self.runner.spec_of(job.id)
         try:
             fewer = self.runner.facts.policy(spec, job).fewer_gpus
-        except Exception:
+        except Exception:  # noqa: BLE001 - start() reports an unreadable policy, with its reason
             fewer = FewerGpus()  # start() reports an unreadable policy
         if box is not None and asked > len(box) and not fewer.allow:
             self._per_job(job.id, "assign GPUs", self.runner.refuse, job,
@@ -496,7 +496,7 @@ class Daemon:
         del self.vram_waits[job.id]
         try:
             res = fut.result()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the wait is only a courtesy: the job starts and the error is logged
             log.exception("vram_wait_failed", job=job.id)
             return True
         if res.released is False:
@@ -525,7 +525,7 @@ class Daemon:
                 continue
             try:
                 act = self.runner.recover(job, self.cfg.on_restart == "adopt")
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a job that cannot be taken back is held and said; the others go on
                 if is_disk_full(exc):
                     self._on_disk_full(exc)
                     return
@@ -535,7 +535,7 @@ class Daemon:
                         self.store.event(job.id, "recovery_failed",
                                          f"cannot take job {job.id} back after the restart ({exc!r}); it stays "
                                          "held and nothing else starts until it can be (tried again every tick)")
-                    except Exception:
+                    except Exception:  # noqa: BLE001, S110 - the hold itself is what matters; the event is best effort
                         pass
                 self.unrecovered[job.id] = repr(exc)
                 continue

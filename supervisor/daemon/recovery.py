@@ -46,7 +46,7 @@ class Recovery:
             return None
         try:
             return self._take_back(job, attempt, adopt)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure taking a job back holds it (said), never loses it
             log.exception("recovery_failed", job=job.id)
             return self._hold(job, attempt, f"recovery failed: {exc!r}")
 
@@ -65,7 +65,7 @@ class Recovery:
         spec, spec_error = None, None
         try:
             spec = self.facts.spec_of(job.id)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - an unreadable job file is judged as missing evidence, not raised
             spec_error = str(exc)
         paths = self.facts.cfg.state.job(job.id).attempt(attempt.number)
         tag = self.backend.attempt_tag(job.id, attempt.number)

@@ -28,6 +28,7 @@ from supervisor.intake.llamafactory.validate import validate_config
 from supervisor.judge.diagnosis import LogScanner
 from supervisor.judge.plan import AttemptPlan, Refuse, plan_attempt
 from supervisor.judge.policy.render import EFFECTIVE_YAML
+from supervisor.record import requests
 from supervisor.record.store import JobRow, Store
 from supervisor.run import attemptdir
 from supervisor.run.backends import make_backend
@@ -36,7 +37,6 @@ from supervisor.run.checkpoints import apply_fixups, quarantine, reclaim
 from supervisor.run.diskfull import is_disk_full
 from supervisor.run.fsutil import atomic_write_json, atomic_write_text
 from supervisor.run.identity import Identity, UnknownUser
-from supervisor.record import requests
 from supervisor.run.ownership import MARKER_ENV
 from supervisor.service.logsetup import log
 from supervisor.service.notify import Notifier
@@ -145,7 +145,7 @@ class Runner:
             with self.facts.acting(self.facts.identity_quietly(job.id)):
                 ctx = self.facts.context(job, plan.spec)
             policy = self.facts.policy(plan.spec, job)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the wait for memory others hold is a courtesy: without it the job starts
             log.exception("host_wait_unavailable", job=job.id)
             return False
         since = self.facts.host_wait_since(job.id)
@@ -240,7 +240,7 @@ class Runner:
         try:
             launched = self.backend.launch(res, paths, argv=plan.rendered.argv, cwd=spec.workdir, env=env, spec=spec,
                                            identity=ident)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the attempt is recorded as started: its end must be recorded, whatever failed
             # The attempt is recorded as started: follow it through the usual path (its owner is
             # checked empty there) so that its end is recorded even on a full disk.
             log.error("launch_failed", job=job.id, attempt=n, error=str(exc))
@@ -290,7 +290,7 @@ class Runner:
             current = self.store.job(job.id)
             if current is not None and current.cancel_requested and current.state in RUNNABLE:
                 self.journal.cancelled(job.id)
-        return None
+        return
 
 
 def _size(path: Path) -> int:

@@ -58,7 +58,7 @@ class Verdicts:
         host = self.host_evidence(act, raw)
         try:
             diagnosis = self.place(act, act.scanner.finish(exit_rec, host), raw)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a diagnosis bug must still end in a recorded verdict (act.broken)
             log.exception("diagnosis_failed", job=act.job_id)
             act.broken = act.broken or f"diagnosis failed: {exc!r}"
             diagnosis = Diagnosis(Category.UNKNOWN, f"the supervisor could not diagnose the log ({exc!r})")
@@ -109,7 +109,7 @@ class Verdicts:
 
         try:
             close_save(act)
-        except Exception:
+        except Exception:  # noqa: BLE001 - save timing is for the goodput lines only
             log.exception("save_time_unreadable", job=act.job_id)
 
     def exit_evidence(self, act: Active) -> tuple[dict[str, Any], str | None]:
@@ -250,7 +250,7 @@ class Verdicts:
             with self.facts.acting(self.facts.identity_of(job)):  # the model's config, the job's interpreter
                 context = self.facts.context(job, spec)
             return decide(context, history, diagnosis, policy)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a policy bug fails the job with the reason, never loses the verdict
             log.exception("decide_failed", job=job_id)
             return Decision(DecisionKind.FAIL, f"the policy could not decide: {exc!r}")
 
@@ -291,7 +291,7 @@ class Verdicts:
         try:
             with self.facts.acting(act.identity):  # the job's output folder, as its user sees it
                 return self._read_progress(act, out)
-        except Exception:
+        except Exception:  # noqa: BLE001 - progress is evidence, not a condition of the verdict
             log.exception("progress_read_failed", job=act.job_id)
         return out
 
@@ -310,7 +310,7 @@ class Verdicts:
             out["tokens_per_s"] = prog.tokens_per_s
             latest = scan_output_dir(act.output_dir).latest
             out["checkpoint_step_after"] = latest.step if latest else None
-        except Exception:
+        except Exception:  # noqa: BLE001 - progress is evidence, not a condition of the verdict
             log.exception("progress_read_failed", job=act.job_id)
         return out
 
@@ -351,7 +351,7 @@ class Verdicts:
                             max_step=progress.get("max_step"), resumed_from_step=this.resumed_from_step,
                             peak_file=act.paths.peak_file, host=host, job=job.name if job else "",
                             attempt=act.number, time=self.clock())
-        except Exception:
+        except Exception:  # noqa: BLE001 - learning is best effort; the verdict lands without it
             log.exception("observation_not_recorded", job=act.job_id)
 
 
@@ -361,7 +361,7 @@ def emergency_of(log_path: Path):
 
     try:
         return parse_emergency(tail_text(log_path, 256 << 10).splitlines())
-    except Exception:
+    except Exception:  # noqa: BLE001 - the hook's marker is untrusted text from the job's log
         log.exception("emergency_marker_unreadable")
         return None
 

@@ -251,7 +251,7 @@ def _write_dataset(
         return len(tokenizer.encode(" " + text, add_special_tokens=False))
 
     rows: list[dict[str, str]] = []
-    for i in range(params["n_short"]):
+    for _i in range(params["n_short"]):
         rows.append(
             {
                 "instruction": _sentence(rng, lexicon, rng.randint(4, 8)),
@@ -260,7 +260,7 @@ def _write_dataset(
             }
         )
     target = params["long_tokens"]
-    for i in range(params["n_long"]):
+    for _i in range(params["n_long"]):
         instruction = _sentence(rng, lexicon, 12)
         budget = target - n_tokens(instruction) - 8  # the template adds a few tokens
         sentences: list[str] = []

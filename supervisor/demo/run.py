@@ -82,26 +82,26 @@ def main(argv: list[str] | None = None) -> int:
                                       "cgroups": "auto" if args.cgroup else "off"}))
     common = ["--state-dir", str(root / "state"), "--spool-dir", str(root / "spool"), "--config", str(config)]
     cli = [sys.executable, "-m", "supervisor.cli"]
-    daemon_log = open(root / "daemon.log", "ab")
+    daemon_log = open(root / "daemon.log", "ab")  # noqa: SIM115 - the daemon's log for as long as it runs; closed when it stops
     daemon = subprocess.Popen([*cli, "daemon", "--json-logs", *common], stdout=daemon_log,
                               stderr=subprocess.STDOUT)
     print(f"demo: daemon started (pid {daemon.pid}); its JSON log is {root / 'daemon.log'}", flush=True)
     code = 1
     try:
         res = subprocess.run([*cli, "submit", *common, str(job_file), "--wait", "60"], capture_output=True,
-                             text=True)
+                             text=True, check=False)
         print(res.stdout.strip(), res.stderr.strip(), flush=True)
         if res.returncode != 0:
             return res.returncode
         job_id = res.stdout.strip().split()[-1]
         print(f"demo: following job {job_id} live (Ctrl-C stops only the view)\n", flush=True)
         try:
-            subprocess.run([*cli, "watch", *common, job_id, "--interval", "1"])
+            subprocess.run([*cli, "watch", *common, job_id, "--interval", "1"], check=False)
         except KeyboardInterrupt:
             pass
-        subprocess.run([*cli, "show", *common, job_id])
+        subprocess.run([*cli, "show", *common, job_id], check=False)
         status = json.loads(subprocess.run([*cli, "status", *common, "--json"], capture_output=True,
-                                           text=True).stdout)
+                                           text=True, check=False).stdout)
         state = next(j["state"] for j in status if str(j["id"]) == job_id)
         code = 0 if state == "succeeded" else 1
         print(f"\ndemo: job {job_id} {state} in {time.monotonic() - t0:.0f}s "

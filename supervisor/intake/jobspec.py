@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from supervisor.core.models import Problem
-from supervisor.core.units import parse_duration, parse_size  # noqa: F401  (re-exported)
+from supervisor.core.units import parse_duration, parse_size
 from supervisor.intake.slurm_request import SlurmJobRequest
 
 MAX_JOB_FILE_BYTES = 1024 * 1024
@@ -314,7 +314,7 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
     for key_node, _ in node.value:
         try:
             lines[loader.construct_object(key_node)] = key_node.start_mark.line + 1
-        except Exception:  # unhashable keys are reported by the caller
+        except Exception:  # noqa: BLE001, S110 - key lines only place messages; the caller reports a bad key itself
             pass
     loader.key_lines[id(mapping)] = lines
     return mapping
@@ -411,7 +411,7 @@ def _argv_message(key: str, given: Any) -> str:
             words = given.split()[:12]
         if words:
             example = "[" + ", ".join(w if re.fullmatch(r"[A-Za-z_./-][A-Za-z0-9_./=-]*", w) and not
-                                      re.fullmatch(r"-?[0-9.]+|true|false|yes|no|on|off|null|~", w, re.I)
+                                      re.fullmatch(r"-?[0-9.]+|true|false|yes|no|on|off|null|~", w, re.IGNORECASE)
                                       else json_quote(w) for w in words) + "]"
     return (f"must be a list of arguments, one per item, run without a shell (a string is not split), "
             f"e.g. `{key}: {example}`")

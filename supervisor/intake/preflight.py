@@ -157,7 +157,7 @@ class _Check:
             return None
         return self.f.json[p]
 
-    def cached(self, repo: str, cache_dir: str | None, revision: str) -> str | None | bool:
+    def cached(self, repo: str, cache_dir: str | None, revision: str) -> str | bool | None:
         key = (repo, cache_dir, revision)
         if key not in self.f.hub:
             self.wants.hub.add(key)

@@ -47,7 +47,13 @@ from supervisor.core.models import Problem
 from supervisor.core.paths import SpoolPaths, StatePaths
 from supervisor.intake import facts as facts_mod
 from supervisor.intake import preflight
-from supervisor.intake.jobspec import JobFileError, JobSpec, Partial, load_yaml_with_lines, parse_job_text
+from supervisor.intake.jobspec import (
+    JobFileError,
+    JobSpec,
+    Partial,
+    load_yaml_with_lines,
+    parse_job_text,
+)
 from supervisor.record.store import Store
 from supervisor.run.fsutil import atomic_write_text, fsync_dir
 from supervisor.run.identity import SubmitGate, UnknownUser, acting_as, lookup, user_name
@@ -303,7 +309,7 @@ def _process(spool: SpoolPaths, state: StatePaths, store: Store, path: Path, cna
     except JobFileError as err:
         _reject(spool, path, name, err.problems, result, log, owner=owner)
         return True
-    except Exception as exc:  # anything at all: that file is refused, intake goes on
+    except Exception as exc:  # noqa: BLE001 - anything at all: that file is refused, intake goes on
         _reject(spool, path, name, [Problem("(file)", f"could not be read: {type(exc).__name__}: "
                                     f"{str(exc)[:200]}")], result, log, owner=owner)
         return True
@@ -317,7 +323,7 @@ def _process(spool: SpoolPaths, state: StatePaths, store: Store, path: Path, cna
             log.error("spool_accept_failed", file=shown, state_dir=str(state.root), error=str(exc),
                       note="the file stays claimed and is taken at a later call")
         return False
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - anything at all: that file is refused with the reason, intake goes on
         _reject(spool, path, name, [Problem("(file)", f"could not be recorded: {type(exc).__name__}: "
                                     f"{str(exc)[:200]}")], result, log, owner=owner)
         return True

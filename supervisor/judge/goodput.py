@@ -33,6 +33,7 @@ import heapq
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 BUCKETS: tuple[str, ...] = ("queued", "waiting_gpus", "startup", "checkpoint_load", "productive",
@@ -316,7 +317,7 @@ def _attempt_paint(a: AttemptSpan, attempts: Sequence[AttemptSpan], end: float):
         if steps[0][0] > start_step and rate is not None:
             # The first mark is the END of the first steps: their compute came before it.
             steps.insert(0, (start_step, max(s, first_t - rate * (steps[0][0] - start_step))))
-        for (s0, t0), (s1, t1) in zip(steps, steps[1:]):
+        for (s0, t0), (s1, t1) in pairwise(steps):
             out += _train_paint(s0, t0, s1, t1, kept, n)
     else:
         out.append((s, e, "failed" if failed else "startup", n))
@@ -360,7 +361,7 @@ def _flatten(paint: Sequence[tuple[float, float, str, int | None]], begin: float
     items.sort(key=lambda x: x[0])
     heap: list[tuple[int, int, float, str, int | None]] = []
     k = 0
-    for p0, p1 in zip(points, points[1:]):
+    for p0, p1 in pairwise(points):
         while k < len(items) and items[k][0] <= p0:
             b, e, bucket, n = items[k]
             heapq.heappush(heap, (-_PRIORITY[bucket], -(n is not None), -k, e, bucket, n))  # type: ignore[arg-type]

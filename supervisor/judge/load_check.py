@@ -42,7 +42,7 @@ class LoadCheck:
     numbers: dict[str, Any] = field(default_factory=dict)
 
 
-def _gib(n: int | float) -> str:
+def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 

@@ -30,7 +30,15 @@ from supervisor.judge.policy.render import (
     render_attempt,
 )
 from supervisor.judge.policy.schema import Policy
-from supervisor.judge.resume import ARCHIVE_DIR, Fixup, Incomplete, ResumePlan, Scan, plan_resume, run_shape
+from supervisor.judge.resume import (
+    ARCHIVE_DIR,
+    Fixup,
+    Incomplete,
+    ResumePlan,
+    Scan,
+    plan_resume,
+    run_shape,
+)
 from supervisor.judge.user_resume import UserCheckpoint, choose_checkpoint, user_value
 
 
@@ -211,8 +219,8 @@ def _render(facts: JobFacts, kind: JobKind, launched: Overrides, resume: ResumeP
                           f"{facts.number} runs without DeepSpeed")
         # The attempt's own copy of its DeepSpeed JSON (the user's file is never edited).
         rendering = dataclasses.replace(rendering, deepspeed=merged(ds_now, resume.deepspeed), notes=(
-            *rendering.notes, "DeepSpeed: the attempt's own copy of the job's DeepSpeed config with "
-            f"{_keys(resume.deepspeed)} merged, to resume from the universal checkpoint"))
+            *rendering.notes, ("DeepSpeed: the attempt's own copy of the job's DeepSpeed config with "
+                               f"{_keys(resume.deepspeed)} merged, to resume from the universal checkpoint")))
         if resume.checkpoint is not None and resume.checkpoint.zero_stage == 3:
             rendering = dataclasses.replace(rendering, env={**rendering.env, DS_UNIVERSAL_FIX_ENV: "1"})
     if world_changed and (synced := _synced_batch_fields(deepspeed_of(rendering, facts.job_deepspeed), launched,
@@ -223,7 +231,7 @@ def _render(facts: JobFacts, kind: JobKind, launched: Overrides, resume: ResumeP
         rendered = render_attempt(spec, with_policy_switches(rendering, facts.policy),
                                   attempt_dir=facts.attempt_dir,
                                   resume_yaml=dict(resume.yaml) if resume else {}, launcher=list(facts.launcher))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a render bug refuses the attempt with its reason instead of stalling the job
         return Refuse(f"cannot render attempt {facts.number}: {exc}")
     mismatched = kind.check(rendered, spec, world_size=facts.world_size, user_deepspeed=facts.job_deepspeed)
     if mismatched:
@@ -277,7 +285,7 @@ def plan_the_resume(facts: JobFacts, overrides: Overrides, *, launched: Override
                            allow_weights_only=facts.policy.allow_weights_only,
                            allow_universal=facts.policy.allow_universal_checkpoint,
                            archive_name=f"attempt-{facts.number}", output_dir=output_dir)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a resume-planning bug refuses the attempt with its reason
         return Refuse(f"cannot plan the resume: {exc}")
     if plan.mode == "refuse":
         return Refuse(plan.reason)

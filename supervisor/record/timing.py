@@ -12,7 +12,14 @@ import json
 import time
 from typing import Any
 
-from supervisor.judge.goodput import AttemptSpan, Interval, JobGoodput, JobRecord, Marks, job_goodput
+from supervisor.judge.goodput import (
+    AttemptSpan,
+    Interval,
+    JobGoodput,
+    JobRecord,
+    Marks,
+    job_goodput,
+)
 
 
 def job_record(store, job) -> JobRecord:

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import psutil
 
-from supervisor.run.limits import _mounts, _own_cgroup_path
 from supervisor.run.fsutil import atomic_write_text
+from supervisor.run.limits import _mounts, _own_cgroup_path
 from supervisor.run.procstat import stat_field
 
 MARKER_ENV = "OOM_SUPERVISOR_ATTEMPT"
@@ -357,7 +357,7 @@ def pid_namespaces_available() -> bool:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             os._exit(0 if libc.unshare(CLONE_NEWPID) == 0 else 1)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - a forked child reports through its exit status only, whatever happened
             os._exit(1)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0

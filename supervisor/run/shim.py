@@ -84,7 +84,7 @@ def _become_subreaper() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except Exception:  # not Linux: the daemon's tree walk still covers most cases
+    except (OSError, AttributeError):  # not Linux: the daemon's tree walk still covers most cases
         pass
 
 
@@ -416,8 +416,8 @@ def _set_comm(name: str) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except Exception:
-        pass
+    except (OSError, AttributeError):
+        pass  # the name is for `ps` only
 
 
 def node_identity() -> tuple[str, int | None]:
@@ -511,7 +511,7 @@ def _start_command(spec: dict, log_fd: int) -> tuple[int, bytes]:
             os.chdir(spec["cwd"])  # as the user: their permissions decide
             os.execvpe(spec["argv"][0], spec["argv"],
                        job_environment(spec["env"], dict(os.environ) if spec.get("scheduler_env") else None))
-        except BaseException as exc:  # exec failed: say so in the log, exit like a shell would
+        except BaseException as exc:  # noqa: BLE001 - exec failed: say so in the log, exit like a shell would
             try:
                 msg = f"cannot start {spec['argv'][0]!r} in {spec.get('cwd')!r}: {exc}"
                 os.write(err_w, msg.encode()[:4000])

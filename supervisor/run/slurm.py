@@ -476,7 +476,7 @@ def _scancel(argv: list[str], timeout_s: float) -> None:
 def kill_wait_s(*, timeout_s: float = CMD_TIMEOUT_S) -> float | None:
     """The cluster's KillWait (seconds between a job cancel's SIGTERM and its SIGKILL)."""
     res = _run(["scontrol", "show", "config"], ok_codes=(0, 1), timeout=timeout_s)
-    m = re.search(r"^KillWait\s*=\s*(\d+)", res.stdout, re.M)
+    m = re.search(r"^KillWait\s*=\s*(\d+)", res.stdout, re.MULTILINE)
     return float(m.group(1)) if m else None
 
 

@@ -196,7 +196,7 @@ def goodput_families(store, *, now: float | None = None, window_s: float = GOODP
     for j in jobs:
         try:
             per.append((j, goodput_of(store, j, now=now)))
-        except Exception:  # one unreadable job must not take the metrics down
+        except Exception:  # noqa: BLE001, S112 - one unreadable job must not take the metrics down
             continue
     night = breakdown(g.total for _j, g in per)
     seconds = GaugeMetricFamily(f"{PREFIX}_time_seconds", "Wall time of the jobs active in the last 24 h, by "

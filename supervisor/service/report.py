@@ -176,7 +176,7 @@ def _goodput(store: Store, job, now: float):
 
     try:
         return goodput_of(store, job, now=now)
-    except Exception:  # the rest of the report stands without it
+    except Exception:  # noqa: BLE001 - the rest of the report stands without it
         return None
 
 
@@ -334,7 +334,7 @@ def job_figure(job: JobView) -> bytes | None:
     use_tokens = any(a.tokens_per_s for a in job.attempts)
     vals = [(a.tokens_per_s if use_tokens else a.steps_per_s) or 0 for a in job.attempts]
     bars = axt.bar(list(pos), vals, 0.6, color=[colors[k % len(colors)] for k in range(len(names))])
-    for b, a, v in zip(bars, job.attempts, vals):
+    for b, v in zip(bars, vals):
         axt.annotate(f"{v:,.0f}" if use_tokens and v else (f"{v:.2f}" if v else "n/a"),
                      (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
     axt.set_xticks(list(pos), names)
@@ -382,7 +382,7 @@ def night_figure(night: Night) -> bytes | None:
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.55 * len(rows)), dpi=100, layout="constrained")
     ys = list(range(len(rows)))[::-1]
     used = set()
-    for y, (label, b) in zip(ys, rows):
+    for y, (_label, b) in zip(ys, rows):
         left = 0.0
         for bucket, color in BUCKET_COLORS.items():
             share = b.buckets.get(bucket, 0.0) / b.wall_s

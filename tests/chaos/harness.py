@@ -287,7 +287,7 @@ def kill_storm(root: Path, *, kills: int = 60, jobs: int = 8, max_parallel: int 
                 if rep.total_kills % 10 == 0:
                     log(f"  ... {rep.total_kills} kills, {time.monotonic() - t0:.0f}s")
                 continue
-            victims = shims(state) if what == "shim" else [p for p in trainings(work)]
+            victims = shims(state) if what == "shim" else list(trainings(work))
             if victims:
                 kill_all([rng.choice(victims)])
                 rep.kills[what] += 1

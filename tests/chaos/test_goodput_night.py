@@ -75,7 +75,7 @@ def test_a_chaos_nights_goodput_buckets_add_up_to_its_wall_time(tmp_path):
     finally:
         d.stop(signal.SIGTERM)
 
-    night = {b: 0.0 for b in BUCKETS}
+    night = dict.fromkeys(BUCKETS, 0.0)
     night_wall = 0.0
     for row in status:
         g = row["goodput"]

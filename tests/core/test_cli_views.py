@@ -4,10 +4,10 @@ cutting a path; `status` and `show` say the same when there is no state, and whe
 from __future__ import annotations
 
 import os
-import time
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,7 +18,7 @@ def cli(cwd: Path, *args: str, columns: int = 80) -> subprocess.CompletedProcess
     env = {k: v for k, v in os.environ.items() if not k.startswith("OOM_SUPERVISOR_")}
     env.update(COLUMNS=str(columns), PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "supervisor.cli", *args, "--config", "/dev/null"], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
 def demo_state(root: Path) -> Path:

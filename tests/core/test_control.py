@@ -247,7 +247,7 @@ def test_truncated_log_is_followed_again_and_a_later_oom_is_seen(daemon_factory,
 
 def test_deleted_log_is_still_read_through_the_open_file(tmp_path):
     log = tmp_path / "output.log"
-    w = open(log, "ab", buffering=0)
+    w = open(log, "ab", buffering=0)  # noqa: SIM115 - the writer stays open across the follower's polls, as a training's would
     w.write(b"one\n")
     f = LogFollower(log)
     assert b"".join(f.read(1 << 20, 1.0)) == b"one\n"
@@ -261,7 +261,7 @@ def test_a_log_truncated_and_refilled_past_the_offset_is_read_from_its_start(tmp
     """Issue 18 case 4: the shim's cap truncates the log in place; if the training writes more than
     the old offset before the next poll, the size alone does not show it."""
     log = tmp_path / "output.log"
-    w = open(log, "ab", buffering=0)
+    w = open(log, "ab", buffering=0)  # noqa: SIM115 - the writer stays open across the follower's polls, as a training's would
     w.write(b"a" * 1000 + b"\n")
     f = LogFollower(log)
     assert len(b"".join(f.read(1 << 20, 1.0))) == 1001

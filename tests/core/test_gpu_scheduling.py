@@ -17,7 +17,8 @@ from supervisor.intake.jobspec import parse_job_text
 from supervisor.intake.llamafactory.launch import visibility_env
 from supervisor.intake.spool import accept
 
-from .test_control import add_job, daemon_factory, run_until  # noqa: F401  (fixture)
+from .test_control import add_job, run_until
+from .test_control import daemon_factory as daemon_factory  # the fixture, by its name
 
 OOM_ONCE = """
 import json, os, sys, time

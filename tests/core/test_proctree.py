@@ -95,7 +95,7 @@ def test_rlimit_data_makes_allocation_fail_inside_the_program(tmp_path):
 
 
 def test_identity_survives_pid_reuse_check(tmp_path):
-    paths, h = start(tmp_path, "--steps", "1000", "--sleep", "0.1")
+    _paths, h = start(tmp_path, "--steps", "1000", "--sleep", "0.1")
     adopted = proctree.Handle(h.pid, h.create_time)
     assert adopted.alive() and adopted.shim() is not None
     wrong = proctree.Handle(h.pid, h.create_time - 100)

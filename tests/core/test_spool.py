@@ -123,7 +123,7 @@ def test_same_content_dropped_again_is_a_new_job(env, tmp_path):
 
 
 def test_submit_validates_and_records_workdir(env, tmp_path):
-    spool, state, store = env
+    spool, _state, _store = env
     with pytest.raises(JobFileError) as exc:
         submit(spool, "supervisor:\n  comand: [true]\n", name="x.yaml", cwd=tmp_path)
     assert "did you mean 'command'" in exc.value.report()

@@ -57,7 +57,7 @@ def check_night(d: DaemonProc, job: dict, *, mechanism: str) -> None:
     # 1. a real OOM, mid-run, diagnosed from the real log and exit status
     diag = first["diagnosis"]
     assert diag["category"] == "host_oom", diag
-    assert diag["evidence"] and "can't allocate memory" in diag["evidence"][0]["text"] or \
+    assert (diag["evidence"] and "can't allocate memory" in diag["evidence"][0]["text"]) or \
         first["exit"]["signal"] == "SIGKILL"
     assert first["max_step"] == 8 and first["checkpoint_step_after"] == 8, "the OOM came after checkpoint-8"
     assert first["peak_host_memory_bytes"] and first["peak_host_memory_bytes"] > 100 * 2**20

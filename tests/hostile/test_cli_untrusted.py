@@ -28,14 +28,14 @@ def cli(tmp_path: Path, *args: str, columns: int = 80, cwd: Path | None = None, 
     cmd = [sys.executable, "-m", "supervisor.cli", args[0], "--state-dir", str(tmp_path / "state"),
            "--spool-dir", str(tmp_path / "spool"), "--config", str(conf), *args[1:]]
     env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(REPO)}
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout, env=env, check=False)
 
 
 def bare(tmp_path: Path, *args: str, columns: int = 80):
     """A command that takes no state folder (explain, plan)."""
     env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=60, env=env)
+                          cwd=tmp_path, timeout=60, env=env, check=False)
 
 
 @pytest.fixture
@@ -172,7 +172,7 @@ def test_submit_with_a_non_utf8_and_long_name(tmp_path):
         f.write(b"supervisor: {command: [echo]}\n")
     res = subprocess.run([sys.executable, "-m", "supervisor.cli", "submit", "--state-dir", str(tmp_path / "state"),
                           "--spool-dir", str(tmp_path / "spool"), "--config", "/dev/null", raw],
-                         capture_output=True, cwd=REPO, timeout=60)
+                         capture_output=True, cwd=REPO, timeout=60, check=False)
     assert res.returncode == 0, res.stderr
     (dest,) = os.listdir(tmp_path / "spool" / "incoming")
     assert dest.isascii() and len(dest.encode()) < 120
@@ -185,7 +185,7 @@ def full_disk(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
+                      capture_output=True, check=False).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         (mnt / "spool" / "incoming").mkdir(parents=True)
@@ -200,7 +200,7 @@ def full_disk(tmp_path):
             os.close(fd)
         yield mnt
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 def test_submit_onto_a_full_spool_disk_says_so(tmp_path, full_disk):
@@ -210,10 +210,10 @@ def test_submit_onto_a_full_spool_disk_says_so(tmp_path, full_disk):
     conf.write_text("poll_interval: 1\n")
     res = subprocess.run([sys.executable, "-m", "supervisor.cli", "submit", "--state-dir", str(tmp_path / "state"),
                           "--spool-dir", str(full_disk / "spool"), "--config", str(conf), str(job)],
-                         capture_output=True, text=True, cwd=REPO, timeout=60)
+                         capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "the disk is full" in res.stderr and str(full_disk / "spool" / "incoming") in res.stderr
-    assert [p for p in os.listdir(full_disk / "spool" / "incoming")] == []  # no temp file left behind
+    assert list(os.listdir(full_disk / "spool" / "incoming")) == []  # no temp file left behind
 
 
 def test_intake_on_a_full_spool_disk_still_moves_bad_files_aside(tmp_path, full_disk):

@@ -68,7 +68,7 @@ def test_deepspeed_sections_deepspeed_ignores_are_warnings(checkout, cli):
 
 def test_plan_resolves_relative_paths_against_the_current_directory(checkout, cli):
     """The deepspeed JSON was looked for under the YAML's folder (examples/train_full/examples/...)."""
-    rc, out, err = cli("plan", "examples/train_full/qwen3_full_sft.yaml")
+    rc, _out, err = cli("plan", "examples/train_full/qwen3_full_sft.yaml")
     assert rc == 0, err
 
 

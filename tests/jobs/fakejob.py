@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=3)
@@ -75,7 +76,7 @@ for step in range(start + 1, a.steps + 1):
 
 code = a.exit
 if a.fail_first and a.state:
-    n = int(open(a.state).read()) if os.path.exists(a.state) else 0
+    n = int(Path(a.state).read_text()) if os.path.exists(a.state) else 0
     with open(a.state, "w") as f:
         f.write(str(n + 1))
     if n >= a.fail_first:

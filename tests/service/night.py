@@ -49,7 +49,7 @@ def _attempt(store: Store, clock: Clock, job_id: int, n: int, *, minutes: float,
     clock.t += minutes * 60
     if gpu_peak is not None:
         store.event(job_id, "gpu_telemetry", "peak VRAM", attempt=n,
-                    data={"peak_bytes": gpu_peak, "capacity_bytes": {d: 64 * GiB for d in gpu_peak},
+                    data={"peak_bytes": gpu_peak, "capacity_bytes": dict.fromkeys(gpu_peak, 64 * GiB),
                           "source": "rocm-smi"})
     store.update_attempt(job_id, n, ended_at=clock.t, max_step=max_step, total_steps=total,
                          checkpoint_step_after=ckpt_after, peak_rss_bytes=peak_rss, steps_per_s=steps_per_s,

@@ -46,13 +46,13 @@ def _remove_users() -> None:
     for name in USERS:
         try:
             if pwd.getpwnam(name).pw_gecos.startswith(MARK):
-                subprocess.run(["userdel", "-r", "-f", name], capture_output=True, timeout=60)
+                subprocess.run(["userdel", "-r", "-f", name], capture_output=True, timeout=60, check=False)
         except KeyError:
             pass
     for g in (SUBMIT, ADMIN):
         try:
             grp.getgrnam(g)
-            subprocess.run(["groupdel", g], capture_output=True, timeout=60)
+            subprocess.run(["groupdel", g], capture_output=True, timeout=60, check=False)
         except KeyError:
             pass
 
@@ -103,9 +103,9 @@ def _user_python() -> tuple[str, dict[str, str]]:
         if not exe:
             continue
         res = subprocess.run([*probe, "env", f"PYTHONPATH={env['PYTHONPATH']}", exe, "-c",
-                              "import sys, supervisor.cli.main, psutil, pydantic, yaml\n"
-                              f"assert sys.version_info[:2] == {tuple(sys.version_info[:2])}"],
-                             capture_output=True, text=True, timeout=60, cwd="/")
+                              ("import sys, supervisor.cli.main, psutil, pydantic, yaml\n"
+                               f"assert sys.version_info[:2] == {tuple(sys.version_info[:2])}")],
+                             capture_output=True, text=True, timeout=60, cwd="/", check=False)
         if res.returncode == 0:
             return exe, env
     pytest.fail("no Python an unprivileged user can run with this checkout (tried the test interpreter, "
@@ -158,7 +158,7 @@ class Box:
         (`prefix`: another setpriv line)."""
         if prefix is None:
             prefix = unit_privileges(UNITS_CAPS)
-        self.logf = open(self.log_path, "ab")
+        self.logf = open(self.log_path, "ab")  # noqa: SIM115 - the daemon's log for as long as it runs; closed when it stops
         self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "supervisor.cli", "daemon", "--json-logs",
                                       *self.args()],
                                      stdout=self.logf, stderr=subprocess.STDOUT, cwd=REPO,
@@ -192,14 +192,14 @@ class Box:
         base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(u.home), "USER": user, "LOGNAME": user,
                 "LANG": "C.UTF-8", **(env or {})}
         return subprocess.run(["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in base.items()),
-                               *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd or self.workdir(user))
+                               *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd or self.workdir(user), check=False)
 
     def cli(self, user: str, *args: str, cwd: Path | None = None, **kw) -> subprocess.CompletedProcess:
         """The real CLI as `user` (root: the test's own interpreter, as root runs it)."""
         argv = [args[0], *self.args(), *args[1:]]
         if user == "root":
             return subprocess.run([sys.executable, "-m", "supervisor.cli", *argv], capture_output=True, text=True,
-                                  timeout=120, cwd=cwd or REPO)
+                                  timeout=120, cwd=cwd or REPO, check=False)
         return self.as_user(user, self.python, "-m", "supervisor.cli", *argv, cwd=cwd,
                             env={**self.pyenv, **kw.pop("env", {})}, **kw)
 

@@ -74,7 +74,7 @@ def test_bob_cannot_show_read_or_cancel_alices_job(running):
 
 
 def test_outsiders_get_nothing(running):
-    b, alice, _ = running
+    b, _alice, _ = running
     res = b.cli("eve", "status")
     assert res.returncode == 2 and "may not use this supervisor" in res.stderr and "alices-run" not in res.stdout
 

@@ -45,7 +45,7 @@ def test_case3_incoming_is_private_and_submit_makes_the_file_its_submitters(box,
     os.chown(work / "secret.yaml", alice.uid, alice.gid)
     res = b.cli("alice", "submit", str(work / "secret.yaml"), cwd=work)
     assert res.returncode == 0, res.stderr
-    (dropped,) = [p for p in (b.spool / "incoming").iterdir()]
+    (dropped,) = list((b.spool / "incoming").iterdir())
     assert _mode(dropped)[:2] == (0o600, alice.uid), "the submitter's alone"
     # bob is in the same group: he can submit, but neither list nor read nor remove alice's file.
     ls = b.as_user("bob", "ls", str(b.spool / "incoming"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import psutil
 
@@ -52,15 +53,16 @@ def test_alice_and_bob_on_one_box(box, box_users, http_server):
     pids.chmod(0o1777)
     bob_work = b.workdir("bob")
     bob_job = b.submit("bob", "bobs-secret-run", {
-        "command": ["sh", "-c", f"id; echo secret-output > out.txt; echo $$ > {pids}/bob; "
-                                f"chmod 644 {pids}/bob; exec sleep 300"],
+        "command": ["sh", "-c", (f"id; echo secret-output > out.txt; echo $$ > {pids}/bob; "
+                                 f"chmod 644 {pids}/bob; exec sleep 300")],
         "env": {"HF_TOKEN": "hf_bobs_secret_token"}, "gpus": [0]})
     b.wait_for(lambda: (pids / "bob").exists() and (pids / "bob").read_text().strip(), 60, "bob's job")
     bob_pid = int((pids / "bob").read_text())
     bob = lookup(box_users["bob"].uid)
     proc = psutil.Process(bob_pid)
     assert proc.uids().real == bob.uid and proc.uids().effective == bob.uid and proc.gids().real == bob.gid
-    assert sorted(int(g) for g in open(f"/proc/{bob_pid}/status").read().split("Groups:")[1].split("\n")[0].split()) \
+    status = Path(f"/proc/{bob_pid}/status").read_text()
+    assert sorted(int(g) for g in status.split("Groups:")[1].split("\n")[0].split()) \
         == sorted(bob.groups), "bob's job has exactly bob's groups"
 
     alice_job = b.submit("alice", "alices-probe", {

@@ -23,9 +23,9 @@ RENDEZVOUS = ("SLURM_JOB_ID", "SLURM_NODEID", "NNODES", "NODE_RANK", "MASTER_ADD
 
 # node2 fails (exit 3) while node1 would run on; node1 stops cleanly (exit 0) when told to, as a
 # trainer that saves on SIGTERM does. Each prints what it sees first.
-NODE_JOB = """import os, signal, socket, sys, time
+NODE_JOB = f"""import os, signal, socket, sys, time
 host = socket.gethostname()
-print("env", host, *[k + "=" + str(os.environ.get(k)) for k in %r], flush=True)
+print("env", host, *[k + "=" + str(os.environ.get(k)) for k in {RENDEZVOUS!r}], flush=True)
 if host == "node2":
     time.sleep(3)
     print("node2: giving up", flush=True)
@@ -36,7 +36,7 @@ def stop(*_):
 signal.signal(signal.SIGTERM, stop)
 for i in range(600):
     time.sleep(0.2)
-""" % (RENDEZVOUS,)
+"""
 
 # Both nodes run until a node dies; a later attempt finishes at once.
 LONG_THEN_DONE = """import os, socket, sys, time

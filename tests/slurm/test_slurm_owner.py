@@ -51,7 +51,7 @@ def test_an_attempt_is_submitted_and_runs_as_its_owner(slurm, user):
         assert f"runs as {user.pw_uid} {user.pw_gid} {user.pw_name}" in text
         assert log.stat().st_uid == user.pw_uid  # Slurm opened the output as the user
         shown = subprocess.run(["scontrol", "show", "job", sub.job_id], capture_output=True, text=True,
-                               timeout=30).stdout
+                               timeout=30, check=False).stdout
         assert f"UserId={user.pw_name}({user.pw_uid})" in shown
     finally:
         shutil.rmtree(att, ignore_errors=True)

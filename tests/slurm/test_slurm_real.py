@@ -187,7 +187,7 @@ def test_query_many_one_call_and_unknown_ids(slurm, tmp_path):
 
 
 def test_submit_refused_says_why(slurm, tmp_path):
-    with pytest.raises(sl.SlurmError, match="(?i)partition"):
+    with pytest.raises(sl.SlurmError, match=r"(?i)partition"):
         go(tmp_path, py("pass"), "badpart", settings=sl.SlurmSettings(partition="no-such-partition"))
 
 

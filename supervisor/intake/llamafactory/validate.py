@@ -35,20 +35,20 @@ SHIPPED_DS_PRESETS = ("ds_z0_config.json", "ds_z2_autotp_config.json", "ds_z2_co
 # Keys people write that LLaMA-Factory does not have, with what they meant.
 _KNOWN_MISTAKES: dict[str, tuple[str, str | None]] = {
     "gpu_memory_utilization": (
-        "a vLLM inference setting, not a training one (LLaMA-Factory refuses the whole config for "
-        "it): remove this line. The supervisor caps training memory itself when needed (its "
-        "memory_fraction remedy sets PyTorch's per-process memory fraction)",
+        ("a vLLM inference setting, not a training one (LLaMA-Factory refuses the whole config for "
+         "it): remove this line. The supervisor caps training memory itself when needed (its "
+         "memory_fraction remedy sets PyTorch's per-process memory fraction)"),
         None),
     "compute_type": (
         "not a LLaMA-Factory key; precision is chosen with `bf16: true` (or `fp16: true`)",
         "bf16: true"),
     "torch_dtype": (
-        "not a LLaMA-Factory training key; training precision is `bf16: true` / `fp16: true`, "
-        "the loaded weights' dtype is `infer_dtype`",
+        ("not a LLaMA-Factory training key; training precision is `bf16: true` / `fp16: true`, "
+         "the loaded weights' dtype is `infer_dtype`"),
         "bf16: true"),
     "gradient_checkpointing": (
-        "not a LLaMA-Factory key: it enables gradient checkpointing by default; "
-        "`disable_gradient_checkpointing: true` turns it off",
+        ("not a LLaMA-Factory key: it enables gradient checkpointing by default; "
+         "`disable_gradient_checkpointing: true` turns it off"),
         "disable_gradient_checkpointing"),
     "max_seq_length": ("LLaMA-Factory calls the sequence length `cutoff_len`", "cutoff_len"),
     "max_length": ("LLaMA-Factory calls the sequence length `cutoff_len`", "cutoff_len"),
