@@ -453,6 +453,42 @@ def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = Non
     policy name up (the caller knows where policies live). What does not stop a run goes
     to `warnings` when given.
     """
+    data, lines = _load_mapping(text, source)
+    problems: list[Problem] = []
+    said: list[Problem] = warnings if warnings is not None else []
+    raw_sup = data.get("supervisor") or {}
+    if not isinstance(raw_sup, dict):
+        raise JobFileError([Problem("supervisor", "must be a mapping", None, lines.get("supervisor"))], source)
+    sup = _supervisor_block(raw_sup, lines, problems, policy_problem)
+    config = {k: v for k, v in data.items() if k != "supervisor"}
+    huge = _huge_integers(config, lines)
+    if huge:
+        raise JobFileError(problems + huge, source)
+    workdir = _workdir(sup, raw_sup, submit_dir)
+    env, after = _env_and_after(sup, raw_sup)
+    is_command = sup.command is not None if sup is not None else "command" in raw_sup
+    kind = "command" if is_command else "llamafactory"
+    if is_command:
+        if config:
+            problems.append(Problem(
+                next(iter(config)), "a job with supervisor.command runs that command; "
+                "LLaMA-Factory keys beside it would be ignored, so they are refused",
+                None, lines.get(next(iter(config)))))
+    elif not config:
+        problems.append(Problem("(file)", "no LLaMA-Factory training keys and no supervisor.command: nothing to run"))
+    elif check_lf:
+        _check_training_keys(config, workdir, env, lines, problems, said)
+    if problems:
+        partial = Partial(config if kind == "llamafactory" and config else None, workdir, lines, env, after, kind)
+        raise JobFileError(problems, source, partial=partial)
+
+    assert sup is not None
+    name = sup.name or _default_name(config, source)
+    return JobSpec(kind=kind, name=name, sup=sup, config=config, workdir=workdir, raw_text=text, lines=lines)
+
+
+def _load_mapping(text: str, source: str) -> tuple[dict[str, Any], dict[str, int]]:
+    """The file as a mapping with string keys, and each key's line; JobFileError otherwise."""
     try:
         data, lines = load_yaml_with_lines(text)
     except YamlLimitError as exc:
@@ -471,12 +507,12 @@ def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = Non
     bad_keys = [k for k in data if not isinstance(k, str)]
     if bad_keys:
         raise JobFileError([Problem(str(k)[:80], "keys must be strings") for k in bad_keys[:20]], source)
+    return data, lines
 
-    problems: list[Problem] = []
-    said: list[Problem] = warnings if warnings is not None else []
-    raw_sup = data.get("supervisor") or {}
-    if not isinstance(raw_sup, dict):
-        raise JobFileError([Problem("supervisor", "must be a mapping", None, lines.get("supervisor"))], source)
+
+def _supervisor_block(raw_sup: dict, lines: dict[str, int], problems: list[Problem],
+                      policy_problem: Callable[[str], Problem | None] | None) -> SupervisorBlock | None:
+    """The validated supervisor block (None when it has problems, which go to `problems`)."""
     sup: SupervisorBlock | None
     try:
         sup = SupervisorBlock.model_validate(raw_sup)
@@ -489,51 +525,40 @@ def parse_job_text(text: str, *, source: str = "", submit_dir: Path | None = Non
         if found is not None:
             problems.append(Problem("supervisor.policy", found.message, found.suggestion,
                                     lines.get("supervisor.policy")))
+    return sup
 
-    config = {k: v for k, v in data.items() if k != "supervisor"}
-    huge = _huge_integers(config, lines)
-    if huge:
-        raise JobFileError(problems + huge, source)
+
+def _workdir(sup: SupervisorBlock | None, raw_sup: dict, submit_dir: Path | None) -> Path:
     base = submit_dir or Path.cwd()
     raw_workdir = sup.workdir if sup is not None else raw_sup.get("workdir")
     workdir = Path(raw_workdir).expanduser() if isinstance(raw_workdir, str) and raw_workdir else base
     if not workdir.is_absolute():
         workdir = base / workdir
-    workdir = Path(_normpath(workdir))
-    env = sup.env if sup is not None else {k: v for k, v in (raw_sup.get("env") or {}).items()
-                                           if isinstance(k, str) and isinstance(v, str)} \
-        if isinstance(raw_sup.get("env"), dict) else {}
-    after = tuple(sup.after) if sup is not None else tuple(
-        a for a in (raw_sup.get("after") or []) if isinstance(a, int) and not isinstance(a, bool)) \
-        if isinstance(raw_sup.get("after"), list) else ()
+    return Path(_normpath(workdir))
 
-    is_command = sup.command is not None if sup is not None else "command" in raw_sup
-    if is_command:
-        kind = "command"
-        if config:
-            problems.append(Problem(
-                next(iter(config)), "a job with supervisor.command runs that command; "
-                "LLaMA-Factory keys beside it would be ignored, so they are refused",
-                None, lines.get(next(iter(config)))))
-    else:
-        kind = "llamafactory"
-        if not config:
-            problems.append(Problem("(file)", "no LLaMA-Factory training keys and no supervisor.command: nothing to run"))
-        elif check_lf:
-            from supervisor.intake.llamafactory.validate import config_warnings, validate_config
 
-            found: list[Problem] = []
-            for p in validate_config(config, workdir=workdir, env=env, warnings=found):
-                problems.append(Problem(p.key, p.message, p.suggestion, p.line or _line_for(p.key, lines)))
-            for p in found + config_warnings(config):
-                said.append(Problem(p.key, p.message, p.suggestion, p.line or _line_for(p.key, lines)))
-    if problems:
-        partial = Partial(config if kind == "llamafactory" and config else None, workdir, lines, env, after, kind)
-        raise JobFileError(problems, source, partial=partial)
+def _env_and_after(sup: SupervisorBlock | None, raw_sup: dict) -> tuple[dict[str, str], tuple[int, ...]]:
+    """The job's env and `after:` jobs, read leniently from a block that failed validation (so
+    the training keys can still be checked against the right environment)."""
+    if sup is not None:
+        return sup.env, tuple(sup.after)
+    raw_env, raw_after = raw_sup.get("env"), raw_sup.get("after")
+    env = {k: v for k, v in raw_env.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(raw_env, dict) else {}
+    after = tuple(a for a in raw_after if isinstance(a, int) and not isinstance(a, bool)) \
+        if isinstance(raw_after, list) else ()
+    return env, after
 
-    assert sup is not None
-    name = sup.name or _default_name(config, source)
-    return JobSpec(kind=kind, name=name, sup=sup, config=config, workdir=workdir, raw_text=text, lines=lines)
+
+def _check_training_keys(config: dict[str, Any], workdir: Path, env: dict[str, str], lines: dict[str, int],
+                         problems: list[Problem], said: list[Problem]) -> None:
+    from supervisor.intake.llamafactory.validate import config_warnings, validate_config
+
+    found: list[Problem] = []
+    for p in validate_config(config, workdir=workdir, env=env, warnings=found):
+        problems.append(Problem(p.key, p.message, p.suggestion, p.line or _line_for(p.key, lines)))
+    for p in found + config_warnings(config):
+        said.append(Problem(p.key, p.message, p.suggestion, p.line or _line_for(p.key, lines)))
 
 
 def _normpath(p: Path) -> str:
