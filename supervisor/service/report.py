@@ -275,7 +275,17 @@ def job_figure(job: JobView) -> bytes | None:
     colors = [c for c in plt.rcParams["axes.prop_cycle"].by_key()["color"] if c != "#d62728"]  # red: failures
     fig = plt.figure(figsize=(11, 7.5), dpi=100, layout="constrained")
     gs = fig.add_gridspec(2, 2, height_ratios=[1.4, 1])
-    ax = fig.add_subplot(gs[0, :])
+    _loss_panel(fig.add_subplot(gs[0, :]), job, colors)
+    _memory_panel(fig.add_subplot(gs[1, 0]), job)
+    _throughput_panel(fig.add_subplot(gs[1, 1]), job, colors)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _loss_panel(ax, job: JobView, colors: list[str]) -> None:
+    """Loss on the global step axis, every attempt, each failure marked where it happened."""
     any_loss = False
     xmax = max([job.total_steps or 0, *(s for a in job.attempts for s, _ in a.losses),
                 *(a.max_step or 0 for a in job.attempts)]) or 1
@@ -305,8 +315,10 @@ def job_figure(job: JobView) -> bytes | None:
     else:
         ax.text(0.5, 0.5, job.log_note or "no loss logged", transform=ax.transAxes, ha="center")
 
+
+def _memory_panel(axm, job: JobView) -> None:
+    """Peak host (and GPU) memory per attempt against the limit it ran under."""
     names = [str(a.number) for a in job.attempts]
-    axm = fig.add_subplot(gs[1, 0])
     host = [(a.peak_host or 0) / GiB for a in job.attempts]
     gpu = [(a.peak_gpu or 0) / GiB for a in job.attempts]
     has_gpu = any(gpu)
@@ -330,7 +342,10 @@ def job_figure(job: JobView) -> bytes | None:
     axm.legend(fontsize=8, loc="lower right")
     axm.grid(alpha=0.3, axis="y")
 
-    axt = fig.add_subplot(gs[1, 1])
+
+def _throughput_panel(axt, job: JobView, colors: list[str]) -> None:
+    names = [str(a.number) for a in job.attempts]
+    pos = range(len(names))
     use_tokens = any(a.tokens_per_s for a in job.attempts)
     vals = [(a.tokens_per_s if use_tokens else a.steps_per_s) or 0 for a in job.attempts]
     bars = axt.bar(list(pos), vals, 0.6, color=[colors[k % len(colors)] for k in range(len(names))])
@@ -342,11 +357,6 @@ def job_figure(job: JobView) -> bytes | None:
     axt.set_ylabel("tokens/s" if use_tokens else "steps/s")
     axt.set_title("throughput per attempt")
     axt.grid(alpha=0.3, axis="y")
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
 
 
 # Goodput buckets, in the order they stack (kept work first, then the cost of failures, then waits).
