@@ -12,6 +12,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# --fast: the fast tier (pure and in-process tests, `-m "not slow"`, ~1 min on 2 cores): no Chromium,
+# no Slurm clusters, no Python 3.10 rerun. Extra arguments after it go to pytest.
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  bash scripts/setup.sh
+  exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" -m "not slow" "$@"
+fi
+
 # The Slurm test clusters: scripts/slurm.sh (one node); scripts/slurm2.sh (two nodes) joins
 # when it exists. Each: `bash SCRIPT up` (idempotent, waits until ready) and `bash SCRIPT down`.
 CLUSTERS=${OOM_SUPERVISOR_TEST_CLUSTERS:-"scripts/slurm.sh scripts/slurm2.sh"}

@@ -53,10 +53,24 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedFolders(config, log)
 
 
+SLOW_LIST = Path(__file__).resolve().parent / "slow_tests.txt"
+
+
+def _measured_slow() -> set[str]:
+    """tests/slow_tests.txt: tests measured at 0.8 s or more (the fast tier leaves them out)."""
+    lines = SLOW_LIST.read_text().splitlines() if SLOW_LIST.exists() else []
+    return {ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")}
+
+
 def pytest_collection_modifyitems(config, items):
     """Longest first, so no long test is left for one worker to run alone at the end: the Slurm
     and shared-box tests (one unit of ~9 minutes on one worker), then the real trainings
     (`slow`), then the rest; the collection order is kept within each (a stable sort)."""
+    slow = _measured_slow()
+    for item in items:
+        if item.nodeid.split("[")[0] in slow and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
     def rank(item) -> int:
         if _shared(item.nodeid):
             return 0
