@@ -12,17 +12,26 @@ from supervisor.service.logsetup import log
 
 
 class CapturedLog:
-    """The daemon's real structlog logger, its lines captured (structlog.testing)."""
+    """The daemon's real structlog logger, its lines captured (structlog.testing).
+
+    structlog's capture is process-wide: a sender thread left over from an earlier test on the
+    same worker logs into it too. The logger handed out carries a token of its own, and only the
+    lines with that token count (what the code under test logs through what it was given)."""
 
     def __init__(self, entries: list[dict]) -> None:
-        self.log = log
-        self.entries = entries
+        self.token = object()
+        self.log = log.bind(capture=self.token)
+        self._all = entries
+
+    @property
+    def entries(self) -> list[dict]:
+        return [e for e in self._all if e.get("capture") is self.token]
 
     def events(self, level: str | None = None) -> list[str]:
         return [e["event"] for e in self.entries if level is None or e["log_level"] == level]
 
     def text(self) -> str:
-        return repr(self.entries)
+        return repr([{k: v for k, v in e.items() if k != "capture"} for e in self.entries])
 
 
 class Server:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 from supervisor.daemon.config import WebhookSpec
@@ -144,3 +145,15 @@ def test_a_url_file_others_can_read_is_warned_about(tmp_path, rlog):
     Webhooks([WebhookSpec(url_file=f, on=["failed"])], log=rlog.log)
     assert rlog.events("warning") == ["webhook_url_file_readable_by_others"]
     assert "chmod 600" in rlog.text() and "secrettoken" not in rlog.text()
+
+
+def test_a_capture_hears_only_the_logger_it_handed_out(rlog):
+    """CI failed on 3 'webhook_failed' lines from an earlier test's sender thread, still retrying
+    into this test's capture (structlog's capture is process-wide): a capture counts its own."""
+    from supervisor.service.logsetup import log as daemon_log
+
+    t = threading.Thread(target=lambda: daemon_log.warning("webhook_failed", hook="leftover"))
+    t.start()
+    t.join()
+    rlog.log.warning("mine")
+    assert rlog.events("warning") == ["mine"]
