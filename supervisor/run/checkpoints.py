@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.judge.resume import (
@@ -126,6 +127,47 @@ def inspect_checkpoint(
         names = set(os.listdir(path))
     except OSError as e:
         return Incomplete(path, step, f"unreadable folder: {e}")
+    state = _read_trainer_state(path, step, names)
+    if isinstance(state, Incomplete):
+        return state
+    rng_ranks = _ranks(names, _RNG_RANK_RE)
+    if "rng_state.pth" in names:
+        rng_ranks.add(0)
+    adapter = any(n in names for n in _ADAPTER_FILES)
+    weights_missing = _missing_weight_shards(path, names)
+    has_weights = adapter or (weights_missing == [] and _has_any(names, _WEIGHT_FILES + _WEIGHT_INDEXES))
+    if weights_missing:
+        return Incomplete(path, step, f"weight shards missing: {', '.join(weights_missing)}")
+    seen = _Seen(path, step, names, state, rng_ranks, adapter, has_weights, expected_world_size)
+    deepspeed = "latest" in names or any(n.startswith("global_step") for n in names)
+    fsdp = _inspect_fsdp(path, names)
+    if isinstance(fsdp, str):
+        return Incomplete(path, step, fsdp)
+    if fsdp is not None and not deepspeed:
+        return _fsdp_checkpoint(seen, *fsdp)
+    return _zero_or_plain_checkpoint(seen, deepspeed)
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """What every layout's completeness check starts from: the folder's names and its state."""
+
+    path: Path
+    step: int
+    names: set[str]
+    state: dict
+    rng_ranks: set[int]
+    adapter: bool
+    has_weights: bool
+    expected_world_size: int | None
+
+    def int_field(self, key: str) -> int | None:
+        value = self.state.get(key)
+        return value if isinstance(value, int) else None
+
+
+def _read_trainer_state(path: Path, step: int, names: set[str]) -> dict | Incomplete:
+    """trainer_state.json is written last: without it, or with another step in it, no save finished."""
     if TRAINER_STATE not in names:
         return Incomplete(path, step, f"no {TRAINER_STATE} (written last: the save did not finish)")
     try:
@@ -136,39 +178,34 @@ def inspect_checkpoint(
         return Incomplete(path, step, f"{TRAINER_STATE} is not a JSON object")
     if state.get("global_step") != step:
         return Incomplete(path, step, f"{TRAINER_STATE} says global_step {state.get('global_step')}")
+    return state
 
-    rng_ranks = _ranks(names, _RNG_RANK_RE)
-    if "rng_state.pth" in names:
-        rng_ranks.add(0)
-    adapter = any(n in names for n in _ADAPTER_FILES)
-    weights_missing = _missing_weight_shards(path, names)
-    has_weights = adapter or (weights_missing == [] and _has_any(names, _WEIGHT_FILES + _WEIGHT_INDEXES))
-    if weights_missing:
-        return Incomplete(path, step, f"weight shards missing: {', '.join(weights_missing)}")
 
-    deepspeed = "latest" in names or any(n.startswith("global_step") for n in names)
+def _fsdp_checkpoint(seen: _Seen, kind: str, fsdp_ranks: set[int], fsdp_optim: bool) -> Checkpoint | Incomplete:
+    """FSDP through accelerate: every rank's shard and RNG state, and the scheduler with the optimizer."""
+    path, step, rng_ranks = seen.path, seen.step, seen.rng_ranks
+    world = _world_from(rng_ranks | fsdp_ranks)
+    if fsdp_ranks and fsdp_ranks != set(range(world)):
+        return Incomplete(path, step, f"FSDP shards missing for ranks {_gaps(fsdp_ranks, world)}")
+    if seen.expected_world_size is not None:
+        world = max(world, seen.expected_world_size)
+    if world and rng_ranks != set(range(world)):
+        return Incomplete(path, step, f"RNG state missing for ranks {_gaps(rng_ranks, world)}")
+    if fsdp_optim and "scheduler.pt" not in seen.names:
+        return Incomplete(path, step, "FSDP optimizer state without scheduler.pt")
+    return Checkpoint(
+        path=path, step=step, deepspeed=False, zero_stage=None, world_size=world or None,
+        train_batch_size=seen.int_field("train_batch_size"),
+        has_weights=seen.has_weights, adapter=seen.adapter, has_optimizer=fsdp_optim, fsdp=kind,
+        max_steps=seen.int_field("max_steps"),
+    )
+
+
+def _zero_or_plain_checkpoint(seen: _Seen, deepspeed: bool) -> Checkpoint | Incomplete:
+    """DeepSpeed (every rank's shard under the `latest` tag) or a plain Trainer save."""
+    path, step, names, rng_ranks = seen.path, seen.step, seen.names, seen.rng_ranks
     ds_tag = zero_stage = None
-    fsdp = _inspect_fsdp(path, names)
-    if isinstance(fsdp, str):
-        return Incomplete(path, step, fsdp)
-    if fsdp is not None and not deepspeed:
-        kind, fsdp_ranks, fsdp_optim = fsdp
-        world = _world_from(rng_ranks | fsdp_ranks)
-        if fsdp_ranks and fsdp_ranks != set(range(world)):
-            return Incomplete(path, step, f"FSDP shards missing for ranks {_gaps(fsdp_ranks, world)}")
-        if expected_world_size is not None:
-            world = max(world, expected_world_size)
-        if world and rng_ranks != set(range(world)):
-            return Incomplete(path, step, f"RNG state missing for ranks {_gaps(rng_ranks, world)}")
-        if fsdp_optim and "scheduler.pt" not in names:
-            return Incomplete(path, step, "FSDP optimizer state without scheduler.pt")
-        tbs = state.get("train_batch_size")
-        return Checkpoint(
-            path=path, step=step, deepspeed=False, zero_stage=None, world_size=world or None,
-            train_batch_size=tbs if isinstance(tbs, int) else None,
-            has_weights=has_weights, adapter=adapter, has_optimizer=fsdp_optim, fsdp=kind,
-            max_steps=state.get("max_steps") if isinstance(state.get("max_steps"), int) else None,
-        )
+    shard_ranks: set[int] = set()
     if deepspeed:
         ds = _inspect_deepspeed(path, names)
         if isinstance(ds, str):
@@ -183,35 +220,26 @@ def inspect_checkpoint(
         has_optimizer = "optimizer.pt" in names or "optimizer.bin" in names
         if has_optimizer and "scheduler.pt" not in names:
             return Incomplete(path, step, "optimizer.pt without scheduler.pt")
-        if not has_weights:
+        if not seen.has_weights:
             return Incomplete(path, step, "no model weights or adapter")
-    if expected_world_size is not None:
-        world = max(world or 0, expected_world_size)
+    if seen.expected_world_size is not None:
+        world = max(world or 0, seen.expected_world_size)
     if world and rng_ranks and rng_ranks != set(range(world)):
         # Every rank writes its own RNG state; rank 0 may write trainer_state.json first.
         return Incomplete(path, step, f"RNG state missing for ranks {_gaps(rng_ranks, world)}")
-    if expected_world_size and deepspeed and zero_stage and shard_ranks != set(range(world)):
+    if seen.expected_world_size and deepspeed and zero_stage and shard_ranks != set(range(world)):
         return Incomplete(path, step, f"DeepSpeed shards missing for ranks {_gaps(shard_ranks, world)}")
     if has_optimizer and not rng_ranks and not deepspeed:
         return Incomplete(path, step, "no rng_state*.pth")
-
-    tbs = state.get("train_batch_size")
     if deepspeed and ds_tag:
         optim = _file_sizes(path / ds_tag, _OPTIM_SHARD_RE)
     else:
         optim = _file_sizes(path, re.compile(r"^optimizer\.(?:pt|bin)$"))
     return Checkpoint(
-        path=path,
-        step=step,
-        deepspeed=deepspeed,
-        zero_stage=zero_stage,
-        world_size=world or None,
-        train_batch_size=tbs if isinstance(tbs, int) else None,
-        has_weights=has_weights,
-        adapter=adapter,
-        has_optimizer=has_optimizer,
-        ds_tag=ds_tag,
-        max_steps=state.get("max_steps") if isinstance(state.get("max_steps"), int) else None,
+        path=path, step=step, deepspeed=deepspeed, zero_stage=zero_stage, world_size=world or None,
+        train_batch_size=seen.int_field("train_batch_size"),
+        has_weights=seen.has_weights, adapter=seen.adapter, has_optimizer=has_optimizer, ds_tag=ds_tag,
+        max_steps=seen.int_field("max_steps"),
         optimizer_bytes=sum(optim) if optim else None,
         largest_optimizer_file=max(optim) if optim else None,
     )
