@@ -208,7 +208,7 @@ class Follower:
                 self.journal.event(act.job_id, "internal_error",
                                    f"internal error while following attempt {act.number} ({what}); stopping "
                                    "the attempt before the job is released", attempt=act.number)
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - the attempt is stopped next whatever the journal does; a second failure here must not skip the stop
                 pass
         self.stop(act, "internal_error", self.stop_grace)
 
@@ -242,7 +242,7 @@ class Follower:
                 act.handle.owner.remember(procs)
             rss = act.handle.rss_bytes()
             avail = psutil.virtual_memory().available
-        except Exception:
+        except Exception:  # noqa: BLE001 - a sample is best effort (the tree may be gone, /proc racing); the next tick samples again
             return
         act.peak_rss = max(act.peak_rss, rss)
         act.min_available = avail if act.min_available is None else min(act.min_available, avail)

@@ -28,7 +28,7 @@ import logging
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from supervisor.core.models import Diagnosis, HostEvidence, JobContext, Overrides
 from supervisor.judge.policy.hostwait import HostWait, host_wait
@@ -43,6 +43,9 @@ from supervisor.judge.policy.learn import (
     parse_peak_file,
 )
 from supervisor.judge.policy.schema import Policy
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ class ObservationStore:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> ObservationStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -84,7 +84,7 @@ def test_a_universal_load_holds_the_old_rank_0_file_on_every_rank():
     assert "universal_load" in u.note
 
 
-def test_an_impossible_resume_is_refused_before_launch_with_the_numbers(daemon_factory, tmp_path):
+def test_an_impossible_resume_is_refused_before_launch_with_the_numbers(daemon_factory, tmp_path):  # noqa: F811 - the imported fixture, taken as pytest does
     """The real daemon: a job whose checkpoint holds a 3 GiB optimizer state, limited to 2 GiB of
     host memory, fails before anything is launched, and says why with both numbers."""
     d = daemon_factory()

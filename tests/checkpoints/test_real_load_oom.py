@@ -29,7 +29,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.core.models import AttemptRecord, Category, ExitRecord, HostEvidence, JobContext, Overrides, Phase
+from supervisor.core.models import (
+    AttemptRecord,
+    Category,
+    ExitRecord,
+    HostEvidence,
+    JobContext,
+    Overrides,
+    Phase,
+)
 from supervisor.intake.jobspec import parse_job_text
 from supervisor.judge.diagnosis import LogScanner
 from supervisor.judge.plan import AttemptPlan, JobFacts, ResumeFacts, plan_attempt
@@ -84,13 +92,13 @@ def plan(work: Path, out: Path, number: int, escalation: Overrides | None = None
 
 
 def run(argv: list[str], env: dict, cwd: Path, log: Path, *, limit: int | None, timeout: float = 900) -> int:
-    def preexec():
-        os.setsid()
+    def rlimits():
         for name, value in (rlimits_for(limit) if limit else {}).items():  # what the shim does
             resource.setrlimit(getattr(resource, name), (value, value))
 
     with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=preexec)
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=rlimits)  # noqa: PLW1509 - setrlimit in the child only, as the shim does; this test starts no threads that it could deadlock
     try:
         return proc.wait(timeout=timeout)
     finally:

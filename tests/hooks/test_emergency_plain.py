@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ml]
 
 SCRIPT = Path(__file__).resolve().parent / "plain_trainer.py"
 VENV_BIN = Path(sys.executable).parent
-SAVED_RE = re.compile(r"^oom-supervisor: emergency checkpoint at step (\d+): (\S+)", re.M)
+SAVED_RE = re.compile(r"^oom-supervisor: emergency checkpoint at step (\d+): (\S+)", re.MULTILINE)
 
 
 def run(out: Path, *args: str, hook: str | None = "1", launcher: list[str] | None = None,
@@ -40,12 +40,12 @@ def run(out: Path, *args: str, hook: str | None = "1", launcher: list[str] | Non
     with open(log, "wb") as fh:
         rc = subprocess.run([*(launcher or [sys.executable]), str(SCRIPT), "--out", str(out), *args],
                             stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=out.parent,
-                            timeout=timeout).returncode
+                            timeout=timeout, check=False).returncode
     return rc, log.read_text(errors="replace")
 
 
 def losses(log: str) -> dict[int, float]:
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"^LOSS (\d+) (\S+)$", log, re.M)}
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"^LOSS (\d+) (\S+)$", log, re.MULTILINE)}
 
 
 def markers(log: str) -> list[str]:
@@ -136,7 +136,7 @@ def test_failing_save_on_a_full_disk_leaves_no_checkpoint_that_looks_complete(tm
     out.mkdir()
     # One checkpoint of this model is ~394 KB: room for checkpoint-5, not for a second one.
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(out)],
-                      capture_output=True).returncode != 0:
+                      capture_output=True, check=False).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         rc, log = run(out, "--oom-forward", "16")

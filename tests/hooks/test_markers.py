@@ -23,17 +23,17 @@ def test_a_save_without_a_result_line_was_interrupted():
 
 
 def test_already_saved_failed_not_attempted_and_moved_aside():
-    already = parse_emergency(["oom-supervisor: emergency checkpoint at step 5: /o/checkpoint-5 "
-                               "(already saved by the regular schedule)"])
+    already = parse_emergency([("oom-supervisor: emergency checkpoint at step 5: /o/checkpoint-5 "
+                                "(already saved by the regular schedule)")])
     assert (already.outcome, already.step, already.path) == ("already_saved", 5, "/o/checkpoint-5")
-    failed = parse_emergency([SAVING, "oom-supervisor: emergency checkpoint at step 8 failed: RuntimeError: "
-                              "PytorchStreamWriter failed writing file data/0: file write failed"])
+    failed = parse_emergency([SAVING, ("oom-supervisor: emergency checkpoint at step 8 failed: RuntimeError: "
+                               "PytorchStreamWriter failed writing file data/0: file write failed")])
     assert failed.outcome == "failed" and failed.step == 8 and "file write failed" in failed.reason
-    rank = parse_emergency(["oom-supervisor: no emergency checkpoint: a GPU OOM on rank 1 of 2; the other ranks "
-                            "wait in a collective this rank will not join, ..."])
+    rank = parse_emergency([("oom-supervisor: no emergency checkpoint: a GPU OOM on rank 1 of 2; the other ranks "
+                             "wait in a collective this rank will not join, ...")])
     assert rank.outcome == "not_attempted" and "rank 1 of 2" in rank.reason
-    moved = parse_emergency(["oom-supervisor: emergency checkpoint: moved the incomplete /o/checkpoint-5 (a regular "
-                             "save the OOM interrupted) to /o/.supervisor-quarantine/checkpoint-5.incomplete-X",
+    moved = parse_emergency([("oom-supervisor: emergency checkpoint: moved the incomplete /o/checkpoint-5 (a regular "
+                              "save the OOM interrupted) to /o/.supervisor-quarantine/checkpoint-5.incomplete-X"),
                              SAVED.replace("8", "5")])
     assert moved.outcome == "saved" and moved.moved_aside == "/o/.supervisor-quarantine/checkpoint-5.incomplete-X"
 

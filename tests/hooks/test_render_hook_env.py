@@ -12,9 +12,9 @@ from supervisor.judge.policy.render import EMERGENCY_CKPT_ENV, HOOK_DIR
 ATTEMPT = Path("/var/lib/oom-supervisor/jobs/1/attempt-2")
 
 
-def render(env_yaml: str = "", overrides: Overrides = Overrides()):
+def render(env_yaml: str = "", overrides: Overrides | None = None):
     spec = parse_job_text(f"supervisor:\n  command: [python, train.py]\n{env_yaml}", submit_dir=Path("/w"))
-    return render_attempt(spec, overrides, attempt_dir=ATTEMPT, resume_yaml={}, launcher=["x"])
+    return render_attempt(spec, overrides or Overrides(), attempt_dir=ATTEMPT, resume_yaml={}, launcher=["x"])
 
 
 def test_on_by_default_with_the_hook_first_on_pythonpath_and_said_why():

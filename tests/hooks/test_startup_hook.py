@@ -27,7 +27,7 @@ def test_memory_cap_survives_a_find_spec_probe_before_the_import():
     code = ("import importlib.util; importlib.util.find_spec('torch'); import torch;"
             "print(getattr(torch, '_oom_supervisor_memory_fraction', None))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=hook_env(OOM_SUPERVISOR_MEMORY_FRACTION="0.5"))
+                         env=hook_env(OOM_SUPERVISOR_MEMORY_FRACTION="0.5"), check=False)
     assert res.stdout.strip() == "0.5", res.stderr[-2000:]
 
 
@@ -38,10 +38,10 @@ def test_hook_patches_the_trainer_only_when_it_is_imported_and_works_with_the_me
             " torch._oom_supervisor_memory_fraction)")
     pytest.importorskip("transformers")
     env = hook_env(OOM_SUPERVISOR_EMERGENCY_CKPT="1", OOM_SUPERVISOR_MEMORY_FRACTION="0.5")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
     assert res.stdout.split() == ["True", "True", "train", "0.5"], res.stderr[-2000:]
     env.pop("OOM_SUPERVISOR_EMERGENCY_CKPT")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
     assert res.stdout.split() == ["True", "False", "train", "0.5"], res.stderr[-2000:]
 
 
@@ -55,7 +55,7 @@ def test_copy_of_the_hook_folder_is_self_contained(tmp_path):
             "print(Trainer.train._oom_supervisor, any(m == 'supervisor' or m.startswith('supervisor.')"
             " for m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, timeout=120, cwd=tmp_path)
+                         env=env, timeout=120, cwd=tmp_path, check=False)
     assert res.stdout.split() == ["True", "False"], res.stderr[-2000:]
 
 
@@ -76,6 +76,6 @@ def test_peak_file_is_not_written_by_a_process_that_never_used_a_gpu(tmp_path):
     path = tmp_path / "gpu_peak.json"
     code = "import torch; x = torch.ones(1000, 1000) @ torch.ones(1000, 1000); print(torch.cuda.is_initialized())"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=hook_env(OOM_SUPERVISOR_PEAK_FILE=str(path)))
+                         env=hook_env(OOM_SUPERVISOR_PEAK_FILE=str(path)), check=False)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr[-2000:]
     assert not path.exists() and "peak" not in res.stderr

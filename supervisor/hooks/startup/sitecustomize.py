@@ -29,7 +29,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 def _install():
     try:
         from oom_supervisor_hooks import install
-    except Exception as exc:  # never break the training over the hook
+    except Exception as exc:  # noqa: BLE001 - inside the user's training: never break it over the hook
         sys.stderr.write(f"[oom-supervisor hook] could not load the hooks: {exc!r}\n")
         return
     install()
@@ -48,7 +48,7 @@ def _chain():
             chained = importlib.util.module_from_spec(spec)
             sys.modules["sitecustomize"] = chained
             spec.loader.exec_module(chained)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the user's own sitecustomize failing is theirs to see, not ours to raise
         sys.stderr.write(f"[oom-supervisor hook] the chained sitecustomize failed: {exc!r}\n")
     finally:
         sys.path[:] = saved

@@ -28,7 +28,7 @@ def _run(name, module, callbacks):
     for cb in callbacks:
         try:
             cb(module)
-        except Exception as exc:  # never break the training over the hook
+        except Exception as exc:  # noqa: BLE001 - a hook runs inside the user's training: never break it over the hook
             warn(f"hook after `import {name}` failed: {exc!r}")
 
 

@@ -32,7 +32,7 @@ def install(stage3):
         result = original(self, *args, **kwargs)
         try:
             fixed = _fix(self.optimizer, decay)
-        except Exception as exc:  # never break the training over the fix
+        except Exception as exc:  # noqa: BLE001 - inside the user's training: never break it over the fix, say so instead
             warn(f"could not correct the universal load: {exc!r}")
             return result
         _trace(fixed)

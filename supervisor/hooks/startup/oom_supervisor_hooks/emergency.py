@@ -75,7 +75,7 @@ def install(trainer_module):
     def train(self, *args, **kwargs):
         try:
             tracker = _tracker(self)
-        except Exception as exc:  # never break the training over the hook
+        except Exception as exc:  # noqa: BLE001 - inside the user's training: no tracker means no emergency save, never a failed run
             warn(f"emergency checkpoint off for this run: {exc!r}")
             return original(self, *args, **kwargs)
         try:
@@ -87,7 +87,7 @@ def install(trainer_module):
             tracker.handled = True  # one emergency save per process, even if the caller retries
             try:
                 on_oom(self, tracker, exc, kind)
-            except BaseException as inner:  # never hide the OOM behind our own failure
+            except BaseException as inner:  # noqa: BLE001 - never hide the OOM behind our own failure: it is re-raised next
                 say(f"emergency checkpoint at step {_step(self)} failed: {type(inner).__name__}: {inner}")
             raise
 
@@ -127,7 +127,7 @@ def _step(trainer):
 def _world_size(trainer):
     try:
         return int(trainer.args.world_size)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a trainer without args.world_size: fall back to the launcher's WORLD_SIZE
         try:
             return int(os.environ.get("WORLD_SIZE", "1"))
         except ValueError:
@@ -257,7 +257,7 @@ def on_oom(trainer, tracker, exc, kind):
     t0 = time.monotonic()
     try:
         path, already = save(trainer, step, tracker.snap)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - the save failed: say so and let the OOM end the run as it would have
         say(f"emergency checkpoint at step {step} failed: {type(err).__name__}: {err}")
         return
     if already:
@@ -297,7 +297,7 @@ def _used(torch):
             return sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except Exception:
+    except Exception:  # noqa: BLE001 - a figure for the message only; any failure means no figure
         return None
 
 
@@ -314,9 +314,9 @@ def _call(obj, name, **kwargs):
     except TypeError:
         try:
             fn()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - freeing gradients is best effort on the OOM path
             pass
-    except Exception:
+    except Exception:  # noqa: BLE001, S110 - freeing gradients is best effort on the OOM path
         pass
 
 
@@ -358,7 +358,7 @@ def save(trainer, step, snap):
     shutil.rmtree(staging, ignore_errors=True)
     try:  # what a regular save does next (e.g. LLaMA-Factory saves the tokenizer/processor)
         trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the checkpoint is written; a user callback's failure must not undo it
         warn(f"on_save callbacks after the emergency checkpoint failed: {exc!r}")
     return final, False
 

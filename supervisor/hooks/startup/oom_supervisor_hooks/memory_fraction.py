@@ -23,13 +23,13 @@ def queue_cap(torch, fraction):
             local = int(os.environ.get("LOCAL_RANK", "0") or 0)
             device = local if 0 <= local < count else 0
             torch.cuda.set_per_process_memory_fraction(fraction, device)
-        except Exception as exc:  # never break the training over the cap
+        except Exception as exc:  # noqa: BLE001 - inside the user's training: never break it over the cap
             warn(f"could not set the memory fraction: {exc!r}")
 
     try:
         torch.cuda._lazy_call(cap)
         torch._oom_supervisor_memory_fraction = fraction  # for tests and debugging
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - inside the user's training: never break it over the cap
         warn(f"could not queue the memory fraction: {exc!r}")
         return
     trace = os.environ.get(TRACE_ENV)

@@ -74,7 +74,7 @@ def record(when="exit"):
         entry = snapshot(torch, when)
         if entry is not None:
             merge(path, entry)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - runs at exit and on the OOM path: never raises
         warn(f"could not record peak GPU memory in {path}: {exc!r}")
 
 
