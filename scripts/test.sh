@@ -3,20 +3,22 @@
 #   1. ./.venv (scripts/setup.sh);
 #   2. Chromium, for the morning report's page test (apt-get, as root or with sudo);
 #   3. the Slurm test clusters, each a script with `up` and `down` (CLUSTERS below);
-#   4. pytest on two workers, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`);
-#   5. the daemon-side tests again on Python 3.10 (scripts/py310.sh; only without arguments).
+#   4. ruff check . (lint, the rules in pyproject.toml; only without arguments);
+#   5. pytest on two workers, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`);
+#   6. the daemon-side tests again on Python 3.10 (scripts/py310.sh; only without arguments).
 # Everything it starts is stopped when it exits, passed, failed or interrupted (trap).
 # OOM_SUPERVISOR_TEST_SLURM=0 leaves the clusters alone (their tests then skip; under CI=true
 # they fail, naming what is missing); OOM_SUPERVISOR_TEST_INSTALL=0 installs no package;
-# OOM_SUPERVISOR_TEST_PY310=0 skips step 5.
+# OOM_SUPERVISOR_TEST_PY310=0 skips step 6.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# --fast: the fast tier (pure and in-process tests, `-m "not slow"`, ~1 min on 2 cores): no Chromium,
+# --fast: the fast tier (ruff, then the pure and in-process tests, `-m "not slow"`, ~1 min on 2 cores): no Chromium,
 # no Slurm clusters, no Python 3.10 rerun. Extra arguments after it go to pytest.
 if [ "${1:-}" = "--fast" ]; then
   shift
   bash scripts/setup.sh
+  .venv/bin/ruff check -q .
   exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" -m "not slow" "$@"
 fi
 
@@ -56,6 +58,12 @@ fi
 
 # Not exec: the trap stops the clusters when pytest is done.
 rc=0
+# Lint first, under the rule set in pyproject.toml ([tool.ruff.lint]): a finding fails the run, but
+# the tests still run so that one push says everything that is wrong.
+if [ $# -eq 0 ]; then
+  say "ruff check . (the rule set in pyproject.toml)"
+  .venv/bin/ruff check . || rc=$?
+fi
 # Two workers (pytest-xdist): most tests wait on real processes, so two keep both cores busy; the
 # tests that share the box's users or the Slurm clusters stay on one worker (tests/conftest.py).
 # OOM_SUPERVISOR_TEST_WORKERS=0 runs them in this process, one after another; `-n N` overrides.
