@@ -110,8 +110,8 @@ class HostEvidence:
     min_available_bytes: int | None = None
     peak_rss_bytes: int | None = None
     memory_limit_bytes: int | None = None
-    limit_mechanism: str | None = None  # "cgroup-v1", "cgroup-v2", "rlimit-data+sampled-sum", "slurm-cgroup"
-    # The supervisor itself stopped the tree because the sampled sum of its processes' RSS went
+    limit_mechanism: str | None = None  # "cgroup-v1", "cgroup-v2", "rlimit-data+sampled-pss", "slurm-cgroup"
+    # The supervisor itself stopped the tree because the sampled sum of its processes' PSS went
     # over the job's limit (no cgroup could be made): structural host-OOM evidence.
     limit_enforced_kill: bool = False
     # statvfs of the folders the job writes (output_dir, the attempt folder): path -> free bytes.

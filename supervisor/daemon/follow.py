@@ -240,7 +240,7 @@ class Follower:
             procs = act.handle.processes()
             if act.handle.owner is not None:
                 act.handle.owner.remember(procs)
-            rss = act.handle.rss_bytes()
+            rss, measure = act.handle.memory_bytes()
             avail = psutil.virtual_memory().available
         except Exception:  # noqa: BLE001 - a sample is best effort (the tree may be gone, /proc racing); the next tick samples again
             return
@@ -249,12 +249,13 @@ class Follower:
         limit = act.memory_limit
         if limit and act.handle.cgroup is None and rss > limit and act.stopped_by is None:
             # No cgroup: RLIMIT_DATA binds each process alone, so the job as a whole is held to its
-            # limit here, by the sampled sum of its processes.
+            # limit here, by the sampled sum of what the kernel charges its processes (PSS).
             act.limit_killed = True
             self.journal.event(act.job_id, "memory_limit_enforced",
-                               f"the job's processes use {gib(rss)} together ({len(procs)} processes), over "
-                               f"its host_memory_limit of {gib(limit)} (no cgroup here: enforced on the sampled "
-                               "sum); stopping the attempt", attempt=act.number, rss_bytes=rss, limit_bytes=limit)
+                               f"the job's processes use {gib(rss)} together ({len(procs)} processes; {measure}), "
+                               f"over its host_memory_limit of {gib(limit)} (no cgroup here: enforced on the "
+                               "sampled sum); stopping the attempt", attempt=act.number, rss_bytes=rss,
+                               limit_bytes=limit, measure=measure)
             self.stop(act, "memory_limit", 0.0)
 
 

@@ -325,7 +325,7 @@ class Verdicts:
         # Once, at verdict time, bounded: OOM kills of this attempt's processes or cgroup, GPU faults.
         klog = kernel_log.read_window(raw.get("started_at") or 0, raw.get("ended_at"), pids=pids,
                                       cgroup=cg.path.name if cg is not None else None)
-        mechanism = cg.mechanism if cg else ("rlimit-data+sampled-sum" if act.memory_limit else None)
+        mechanism = cg.mechanism if cg else ("rlimit-data+sampled-pss" if act.memory_limit else None)
         host = HostEvidence(cgroup_oom_kills=kills, kernel_lines=klog.lines, kernel_log_read=klog.read,
                             min_available_bytes=act.min_available, peak_rss_bytes=peak or None,
                             memory_limit_bytes=act.memory_limit, limit_mechanism=mechanism,

@@ -37,6 +37,7 @@ from supervisor.run.fsutil import atomic_write_json
 from supervisor.run.identity import Identity
 from supervisor.run.limits import JobCgroup
 from supervisor.run.ownership import Owner
+from supervisor.run.procstat import tree_charged_bytes
 from supervisor.run.shim import INIT_COMM, LINGER_COMM
 
 SHIM_GRACE_S = 10.0  # after its job is gone, how long the shim may take to reap and write exit.json
@@ -103,19 +104,14 @@ class Handle:
         self.reap()
         return not self.alive() and not self.processes(scan=True)
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the job (shim excluded), cgroup usage when there is one."""
+    def memory_bytes(self) -> tuple[int, str]:
+        """(bytes, measure): what the kernel charges the job (shim excluded), the cgroup's own
+        count when there is one, else the sum of its processes' PSS."""
         if self.cgroup is not None:
             cur = self.cgroup.current_bytes()
             if cur is not None:
-                return cur
-        total = 0
-        for p in self.processes():
-            try:
-                total += p.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-        return total
+                return cur, "the cgroup's memory.current"
+        return tree_charged_bytes(p.pid for p in self.processes())
 
     def reap(self) -> None:
         if self.popen is not None:

@@ -45,7 +45,7 @@ import threading
 import time
 from pathlib import Path
 
-from supervisor.run.procstat import stat_field
+from supervisor.run.procstat import stat_field, tree_charged_bytes
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NAME = 15
@@ -326,15 +326,8 @@ def _cap_log(log_path: str, log_fd: int, cap: int, stop: threading.Event, identi
 
 
 def _tree_rss() -> int:
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for pid in _descendants():
-        try:
-            with open(f"/proc/{pid}/statm", "rb") as f:
-                total += int(f.read().split()[1]) * page
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
+    """What the kernel charges the tree (PSS; RSS where a kernel lacks it), as the daemon counts."""
+    return tree_charged_bytes(_descendants())[0]
 
 
 def _sample_peak(peak: list[int], stop: threading.Event) -> None:

@@ -88,8 +88,8 @@ class SlurmHandle:
     def shim(self):
         return None
 
-    def rss_bytes(self) -> int:
-        return 0
+    def memory_bytes(self) -> tuple[int, str]:
+        return 0, "not sampled here (each node's shim records its own peak)"
 
     def signal_all(self, _sig: int) -> None:
         """SIGTERM to every step and the batch process (the shims, which forward it to every worker)."""

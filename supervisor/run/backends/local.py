@@ -1,7 +1,7 @@
 """Attempts on this box: the launch shim in a new session, an owner per attempt, a memory limit.
 
 The owner (a cgroup where one can be made, else the attempt's marker plus the pids seen) and the
-memory limit (a memory cgroup, else RLIMIT_DATA plus the sampled sum) are made before the attempt
+memory limit (a memory cgroup, else RLIMIT_DATA plus the sampled sum of PSS) are made before the attempt
 is recorded as started, so that nothing the shim forks can escape them; they are removed once
 the attempt is over.
 """
@@ -48,7 +48,7 @@ class LocalBackend:
         if self.pid_namespaces:
             return ("a PID namespace per attempt (no cgroup could be made here): the kernel kills every process "
                     "of an attempt when its shim dies, escaped helpers included; not seen without a cgroup: "
-                    "memory per attempt is a sampled sum, and per-attempt kernel OOM counters do not exist")
+                    "memory per attempt is a sampled sum of PSS, and per-attempt kernel OOM counters do not exist")
         return ("process tree + attempt marker + the pids seen (no cgroup and no PID namespace could be made "
                 "here: run as root or with a delegated cgroup); NOT seen: a process that leaves the tree, "
                 "clears its environment and outlives a killed shim")
@@ -89,7 +89,7 @@ class LocalBackend:
         if res.cgroup is not None:
             res.mechanism = res.cgroup.mechanism
         else:
-            res.rlimits, res.mechanism = rlimits_for(memory_limit), "rlimit-data+sampled-sum"
+            res.rlimits, res.mechanism = rlimits_for(memory_limit), "rlimit-data+sampled-pss"
         return res
 
     def release(self, res: Reservation) -> None:
