@@ -150,3 +150,31 @@ def test_a_host_oom_while_others_held_memory_never_turns_into_a_refusal():
     beyond = dataclasses.replace(weather, host_peak=1900 * GiB)
     refused = L.infeasible(ctx, conservative, [beyond])
     assert refused is not None and "1 of them ran out of memory here beyond the capacity" in refused
+
+
+def test_a_job_that_would_not_fit_an_empty_box_is_not_kept_waiting_for_others():
+    """Issue 27 item 5: a 7B-class job whose need is over the box's budget waited the full
+    host_wait_max_s (1 h) before every attempt while others held 1 GiB of 24 GiB, then started
+    unchanged anyway. Freeing what others hold cannot make it fit: it starts now, and says so."""
+    from supervisor.judge.policy.hostwait import host_wait
+
+    small_box = job_of(LLAMA3_8B, gpu_gib=80, host_gib=24, others_gib=1)
+    off = R.zero3_offload_optimizer(dataclasses.replace(small_box, host_ram_bytes=512 * GiB), Overrides(), None,
+                                    POLICY, R.Memory())
+    assert isinstance(off, R.Applied)
+    assert L.predict_host(small_box, off.overrides) > R.host_budget(small_box, POLICY)
+    w = host_wait(small_box, POLICY, off.overrides, waited_s=0)
+    assert w is not None and not w.wait, w and w.reason
+    assert "waiting cannot make it fit" in w.reason and "starting now" in w.reason
+
+
+def test_a_job_that_others_stand_between_it_and_a_fit_waits_for_them():
+    """...and one that would fit once others free their memory does wait (bounded, as before)."""
+    from supervisor.judge.policy.hostwait import host_wait
+
+    box = job_of(LLAMA3_8B, gpu_gib=80, host_gib=24, others_gib=4)
+    seen = L.observation(box, Overrides(), None, succeeded=True,
+                         peak=L.GpuPeak(60 * GiB, 58 * GiB, None, None, 1), peak_rss_bytes=20 * GiB, job="j")
+    w = host_wait(box, POLICY, Overrides(), observations=[seen])
+    assert w is not None and w.wait and w.need == 20 * GiB, w
+    assert "waiting for them" in w.reason

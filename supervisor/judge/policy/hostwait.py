@@ -58,9 +58,9 @@ def host_wait(ctx: JobContext, policy: Policy, ov: Overrides, *, waited_s: float
     """Whether the attempt running `ov` should wait for host RAM other processes hold.
 
     None: nothing to wait for (nobody else holds much, the need is unknown, or it fits now).
-    It waits for the room it needs, capped at its budget on an empty box (an attempt that would
-    not fit even then is not kept waiting for nothing more): while the room now is below that,
-    `wait` until host_wait_max_s has passed, then `wait=False`: start anyway, unchanged."""
+    It waits for the room it needs while the room now is below that, until host_wait_max_s has
+    passed, then `wait=False`: start anyway, unchanged. An attempt whose need is over its budget
+    even on an empty box gets `wait=False` at once: others freeing memory cannot make it fit."""
     others = ctx.host_used_by_others_bytes or 0
     if others <= 0 or not ctx.host_ram_bytes:
         return None
@@ -75,6 +75,11 @@ def host_wait(ctx: JobContext, policy: Policy, ov: Overrides, *, waited_s: float
         return None
     head = (f"other processes hold {_gib(others)} of the box's {_gib(ctx.host_ram_bytes)} host RAM; this attempt "
             f"needs ~{_gib(need)} and may use ~{_gib(available)} now ({policy.host_ram_reserve:.0%} reserve kept)")
+    if need > budget:
+        # Waiting helps only when what others hold is what stands between the job and a fit.
+        return HostWait(False, need, target, available, others, waited_s, 0.0, policy.host_wait_max_s,
+                        f"{head}; more than its budget of ~{_gib(budget)} even on an empty box, so waiting "
+                        "cannot make it fit: starting now, the job unchanged")
     bound = policy.host_wait_max_s
     if waited_s >= bound:
         return HostWait(False, need, target, available, others, waited_s, 0.0, bound,
