@@ -161,7 +161,8 @@ class Runner:
                                        others_bytes=w.others, need_bytes=w.need, available_bytes=w.available)
                 self.store.update_job(job.id, not_before=now + w.retry_in_s, reason=w.reason)
             return True
-        self.journal.event(job.id, "host_memory_wait_over", w.reason, attempt=plan.number, waited_s=w.waited_s)
+        kind = "host_memory_wait_over" if since is not None else "host_memory_not_waited"
+        self.journal.event(job.id, kind, w.reason, attempt=plan.number, waited_s=w.waited_s)
         return False
 
     def prepare(self, job_id: int, plan: AttemptPlan, attempt_dir: Path, ident: Identity | None = None) -> str | None:

@@ -528,23 +528,14 @@ def test_without_a_cgroup_a_helper_that_escapes_the_marker_dies_with_its_shim(da
     assert d.store.job(second).state == JobState.SUCCEEDED
 
 
-def test_host_ram_others_hold_holds_the_attempt_back_bounded_then_it_starts_unchanged(daemon_factory, tmp_path):
-    """Issue 16 case 6, the daemon's side: memory other processes hold means wait, said in
-    `status`, never a refusal and never a changed job; past the policy's bound it starts anyway.
-    On this CPU box a 1B full fine-tune's estimate (the whole training in host RAM) exceeds what is
-    free while anything else holds memory, though not the box: its first attempt is held back (the
-    estimate may be wrong: it is not refused)."""
-    pol = tmp_path / "policies"
-    pol.mkdir()
-    default = (Path(__file__).resolve().parents[2] / "policies" / "default.yaml").read_text()
-    (pol / "quickwait.yaml").write_text(default.replace("name: default", "name: quickwait", 1)
-                                        + "\nhost_wait_max_s: 3\nhost_wait_poll_s: 1\n")
-    d = daemon_factory(policy_dirs=[pol])
+def _full_finetune(d, tmp_path, layers: int) -> int:
+    """A Llama full fine-tune with `layers` layers (1B-class shapes), the whole training in host RAM
+    on this CPU box: 16 layers need more than a 24 GiB box's budget, 4 about 17 GiB."""
     work = tmp_path / "work"
-    model = work / "llama-1b"
+    model = work / f"llama-{layers}l"
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": layers,
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
         "max_position_embeddings": 8192}))
     cfg = {"model_name_or_path": str(model), "stage": "sft", "do_train": True, "finetuning_type": "full",
@@ -553,8 +544,41 @@ def test_host_ram_others_hold_holds_the_attempt_back_bounded_then_it_starts_unch
            "supervisor": {"name": "big", "policy": "quickwait", "workdir": str(work),
                           "launcher": [sys.executable, "-c", "print('trained')"]}}
     text = yaml.safe_dump(cfg)
-    job_id = accept(d.state, d.store, parse_job_text(text, source="t.yaml", submit_dir=work, check_lf=False),
-                    text=text, source="t.yaml", key=None)
+    return accept(d.state, d.store, parse_job_text(text, source="t.yaml", submit_dir=work, check_lf=False),
+                  text=text, source="t.yaml", key=None)
+
+
+def _quickwait(daemon_factory, tmp_path):
+    pol = tmp_path / "policies"
+    pol.mkdir()
+    default = (Path(__file__).resolve().parents[2] / "policies" / "default.yaml").read_text()
+    (pol / "quickwait.yaml").write_text(default.replace("name: default", "name: quickwait", 1)
+                                        + "\nhost_wait_max_s: 3\nhost_wait_poll_s: 1\n")
+    return daemon_factory(policy_dirs=[pol])
+
+
+@pytest.fixture
+def others_hold_6gib():
+    """Another process of the box holding 6 GiB (written, so resident) while the test runs."""
+    import subprocess
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nb = b'x' * (6 << 30)\nprint('held', flush=True)\n"
+                               "time.sleep(300)"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    yield holder
+    holder.kill()
+    holder.wait()
+
+
+def test_host_ram_others_hold_holds_the_attempt_back_bounded_then_it_starts_unchanged(
+        daemon_factory, tmp_path, others_hold_6gib):
+    """Issue 16 case 6, the daemon's side: memory other processes hold means wait, said in
+    `status`, never a refusal and never a changed job; past the policy's bound it starts anyway.
+    A 4-layer full fine-tune (~17 GiB, the whole training in host RAM) fits a 24 GiB box's budget
+    but not while another process holds 6 GiB: its first attempt is held back (the estimate may
+    be wrong: it is not refused)."""
+    d = _quickwait(daemon_factory, tmp_path)
+    job_id = _full_finetune(d, tmp_path, layers=4)
     run_until(d, lambda: any(e.kind == "host_memory_wait" for e in d.store.events(job_id)), what="held back")
     job = d.store.job(job_id)
     assert job.state == JobState.QUEUED and d.store.attempts(job_id) == []
@@ -564,6 +588,18 @@ def test_host_ram_others_hold_holds_the_attempt_back_bounded_then_it_starts_unch
     assert kinds.count("host_memory_wait") == 1 and "host_memory_wait_over" in kinds
     (attempt,) = d.store.attempts(job_id)
     assert attempt.json("overrides")["rungs"] == [], "the job was not changed for memory others held"
+
+
+def test_a_job_over_the_boxs_budget_is_not_held_back_for_memory_others_hold(daemon_factory, tmp_path):
+    """Issue 27 item 5, the daemon's side: the 16-layer job needs more than this box's budget
+    even empty; whatever others hold, waiting cannot make it fit: it starts at once."""
+    d = _quickwait(daemon_factory, tmp_path)
+    job_id = _full_finetune(d, tmp_path, layers=16)
+    run_until(d, lambda: d.store.job(job_id).state == JobState.SUCCEEDED, timeout=60, what="the job to run")
+    events = d.store.events(job_id)
+    assert not [e for e in events if e.kind == "host_memory_wait"], [e.message for e in events]
+    said = [e.message for e in events if e.kind == "host_memory_not_waited"]
+    assert all("waiting cannot make it fit" in m for m in said), said
 
 
 def test_a_namespace_whose_init_is_gone_is_never_scanned_its_inode_is_another_attempts_later(tmp_path):
