@@ -562,8 +562,8 @@ def others_hold_6gib():
     """Another process of the box holding 6 GiB (written, so resident) while the test runs."""
     import subprocess
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nb = b'x' * (6 << 30)\nprint('held', flush=True)\n"
-                               "time.sleep(300)"], stdout=subprocess.PIPE, text=True)
+    hold = "import time\nb = b'x' * (6 << 30)\nprint('held', flush=True)\ntime.sleep(300)"
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     yield holder
     holder.kill()

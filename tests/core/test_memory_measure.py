@@ -37,8 +37,8 @@ print("done", flush=True)
 """
 
 
-def _run(daemon_factory, tmp_path, mode: str):
-    d = daemon_factory()
+def _run(factory, tmp_path, mode: str):
+    d = factory()
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     (work / "tree.py").write_text(TREE)
@@ -48,7 +48,7 @@ def _run(daemon_factory, tmp_path, mode: str):
     return d, job, [e for e in d.store.events(job) if e.kind == "memory_limit_enforced"]
 
 
-def test_shared_pages_count_once_a_job_under_its_limit_runs_to_the_end(daemon_factory, tmp_path):
+def test_shared_pages_count_once_a_job_under_its_limit_runs_to_the_end(daemon_factory, tmp_path):  # noqa: F811 - the fixture
     d, job, enforced = _run(daemon_factory, tmp_path, "shared")
     assert enforced == [], enforced[0].message
     assert d.store.job(job).state == JobState.SUCCEEDED
@@ -56,7 +56,7 @@ def test_shared_pages_count_once_a_job_under_its_limit_runs_to_the_end(daemon_fa
     assert 250 * MiB < attempt.peak_rss_bytes < 600 * MiB, attempt.peak_rss_bytes  # charged once
 
 
-def test_a_job_whose_charged_memory_is_over_its_limit_is_stopped_and_told_by_which_measure(daemon_factory, tmp_path):
+def test_a_job_whose_charged_memory_is_over_its_limit_is_stopped_and_told_by_which_measure(daemon_factory, tmp_path):  # noqa: F811 - the fixture
     d, job, enforced = _run(daemon_factory, tmp_path, "own")
     assert d.store.job(job).state == JobState.FAILED
     assert enforced and "proportional set size" in enforced[0].message, [e.message for e in enforced]
