@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.core.models import Diagnosis, JobContext, Overrides
+from supervisor.core.models import Category, Diagnosis, JobContext, Overrides
 from supervisor.intake.deepspeed_config import with_batch_fields, zero3_offload_config
 from supervisor.judge.policy.allocator import ALLOC_VARS, format_alloc_conf, parse_alloc_conf
 from supervisor.judge.policy.estimate import OPTIMISTIC_BUFFER, Setup, model_states
@@ -132,6 +132,18 @@ def host_budget_source(job: JobContext, policy: Policy) -> str:
             "reserve; what other processes hold is waited for, not counted")
 
 
+def without_gpu(job: JobContext, diag: Diagnosis | None = None) -> bool:
+    """A run its launch shows no GPU (a CPU box, no `gpus:`): there the 'device' is host memory.
+    A GPU OOM or a CUDA/HIP diagnosis is a GPU seen, whatever the probe said."""
+    if diag is not None and (diag.category == Category.GPU_OOM or diag.vendor in ("cuda", "hip")):
+        return False
+    return job.visible_gpu_count == 0 and not job.gpus
+
+
+NO_GPU = ("a run with no GPU: its 'device' is host memory, so this remedy, which acts on GPU memory only, "
+          "would move nothing")
+
+
 def pinned_nproc(job: JobContext) -> int | None:
     """NPROC_PER_NODE for a torchrun launch that keeps the ranks the job runs now, or None
     to leave LLaMA-Factory's own count (every visible GPU) alone. On a CPU-only box its count
@@ -195,6 +207,8 @@ def _version_at_least(version: str | None, minimum: str) -> bool | None:
 
 
 def allocator(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, mem: Memory) -> Applied | Skipped:
+    if without_gpu(job, diag):
+        return Skipped(f"{NO_GPU} (the CUDA/HIP caching allocator's settings)")
     s = policy.rungs.allocator
     v = view_of(job, ov)
     ours = dict(v.ours_alloc)
@@ -238,6 +252,8 @@ def allocator(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, m
 
 
 def memory_fraction(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, mem: Memory) -> Applied | Skipped:
+    if without_gpu(job, diag):
+        return Skipped(f"{NO_GPU} (a cap on the GPU's memory)")
     s = policy.rungs.memory_fraction
     f = s.fraction
     cfg = {**job.config, **ov.yaml}
@@ -366,7 +382,7 @@ def grad_checkpointing(job: JobContext, ov: Overrides, diag: Diagnosis, policy: 
 
 
 def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offload_param: bool,
-           has_checkpoint: bool, host_check: str = "budget") -> Applied | Skipped:
+           has_checkpoint: bool, host_check: str = "budget", diag: Diagnosis | None = None) -> Applied | Skipped:
     """ZeRO-3 with offload. Host RAM is judged twice: a remedy whose states cannot fit the box
     even under the most optimistic credible estimate (DeepSpeed's without its buffer factor) is
     impossible, always skipped; one whose buffered estimate exceeds the job's budget is
@@ -375,6 +391,8 @@ def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offlo
     name = "zero3_offload_param" if offload_param else "zero3_offload_optimizer"
     if job.kind != "llamafactory":
         return Skipped("not a LLaMA-Factory job")
+    if without_gpu(job, diag):
+        return Skipped(f"{NO_GPU} (offload to the CPU; it would only add DeepSpeed and a launcher process)")
     v = view_of(job, ov)
     cur = v.setup
     if cur.zero_stage == 3 and cur.offload_optimizer and (cur.offload_param or not offload_param):
@@ -435,11 +453,13 @@ def _zero3(job: JobContext, ov: Overrides, mem: Memory, policy: Policy, *, offlo
 
 
 def zero3_offload_optimizer(job, ov, diag, policy, mem, *, has_checkpoint=False, host_check="budget"):
-    return _zero3(job, ov, mem, policy, offload_param=False, has_checkpoint=has_checkpoint, host_check=host_check)
+    return _zero3(job, ov, mem, policy, offload_param=False, has_checkpoint=has_checkpoint, host_check=host_check,
+                  diag=diag)
 
 
 def zero3_offload_param(job, ov, diag, policy, mem, *, has_checkpoint=False, host_check="budget"):
-    return _zero3(job, ov, mem, policy, offload_param=True, has_checkpoint=has_checkpoint, host_check=host_check)
+    return _zero3(job, ov, mem, policy, offload_param=True, has_checkpoint=has_checkpoint, host_check=host_check,
+                  diag=diag)
 
 
 def cutoff_len(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, mem: Memory) -> Applied | Skipped:
