@@ -55,9 +55,10 @@ from typing import Any
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, teardown
+from supervisor.judge.diagnosis.families.crash import _SIGKILL_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
+from supervisor.judge.diagnosis.hits import COMM, CRASH, HINT, MARKER, ROOT, Hit
 from supervisor.judge.diagnosis.kernel import KERNEL_OOM_RE
-from supervisor.judge.diagnosis.rules import _SIGKILL_RE, COMM, CRASH, HINT, MARKER, ROOT, Hit
 from supervisor.judge.diagnosis.sizes import human
 
 MIB = 1024**2

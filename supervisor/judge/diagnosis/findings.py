@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from supervisor.core.models import Category, Evidence, Phase
-from supervisor.judge.diagnosis.rules import Hit
+from supervisor.judge.diagnosis.hits import Hit
 
 
 @dataclass

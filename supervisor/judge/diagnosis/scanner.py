@@ -26,6 +26,7 @@ from collections import deque
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import rules
 from supervisor.judge.diagnosis.conclude import conclude
+from supervisor.judge.diagnosis.families.gpu_memory import _PINNED_RE
 from supervisor.judge.diagnosis.fastre import LiteralScanner, compile_search
 from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.prefixes import PrefixModel
@@ -861,7 +862,7 @@ class LogScanner:
         if frames:
             paths = " ".join(p for _, p in frames)
             funcs = " ".join(f for f, _ in frames)
-            if hit.rule == "driver_oom" and rules._PINNED_RE.search(funcs + " " + paths):
+            if hit.rule == "driver_oom" and _PINNED_RE.search(funcs + " " + paths):
                 hit = Hit("pinned_host_oom", Category.HOST_OOM, hit.tier, "pinned", fatal=True, vendor="cpu", exc=hit.exc)
             if hit.rule == "python_exception" and structural and _CONFIG_FRAME_RE.search(frames[-1][1]):
                 # Raised while the arguments were parsed or validated (LLaMA-Factory's parser, HfArgumentParser).

@@ -1,0 +1,56 @@
+"""Collectives and rendezvous: NCCL/RCCL watchdogs and errors, IPC handles, c10d stores and sockets.
+Often a consequence of a root cause on another rank (conclude.py weighs that)."""
+
+from __future__ import annotations
+
+import re
+
+from supervisor.core.models import Category
+from supervisor.judge.diagnosis.hits import COMM, Hit, Segment
+
+# --- comm -----------------------------------------------------------------
+_WATCHDOG_RE = re.compile(
+    r"Watchdog caught collective operation timeout|Some NCCL operations have failed or timed out"
+    r"|[Hh]eartbeat monitor timed out|watchdog got stuck|timed out in blocking wait"
+)
+_RAN_FOR_RE = re.compile(r"ran for (\d+) milliseconds")
+# A watchdog timeout that shows up only as its C++ frames, or torch's summary line.
+_WATCHDOG_FRAME_RE = re.compile(r"WorkNCCL::checkTimeout|Timeout at NCCL work: \d+")
+_WATCHDOG_OTHER_FRAME_RE = re.compile(r"ProcessGroupNCCL::(?:watchdogHandler|ncclCommWatchdog)|ncclCommWatchdog\b")
+_IPC_RE = re.compile(
+    r"\b(?:hip|cuda)Ipc(?:Open|Get)MemHandle\b.*(?:fail|error|invalid)|(?:fail|error)\w*.*\b(?:hip|cuda)Ipc(?:Open|Get)MemHandle"
+    r"|failed to open (?:CUDA|HIP) IPC handle|RCCL.*\bIPC\b.*(?:fail|error)|ncclP2pImportShareableBuffer.*fail"
+)
+_NCCL_ERR_RE = re.compile(
+    r"\bncclUnhandledCudaError\b|\bncclSystemError\b|\bncclInternalError\b|\bncclRemoteError\b"
+    r"|NCCL [Ee]rror|DistBackendError|NCCL communicator was aborted|ProcessGroupNCCL is aborted"
+    r"|NCCL WARN (?:Cuda|HIP|Hip) failure"
+)
+_SOCKET_RE = re.compile(
+    r"Rendezvous\w*Error|DistNetworkError|DistStoreError|socket has timed out|EADDRINUSE"
+    r"|address already in use|TCPStore\w*.*(?:fail|timed out|refused)"
+    r"|(?:Connection reset by peer|Connection refused|Broken pipe).*(?:c10d|socket|Gloo|NCCL|store)"
+    r"|(?:c10d|socket|Gloo|NCCL|store).*(?:Connection reset by peer|Connection refused)"
+)
+
+
+def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
+    """Append this family's hits for one segment (`t` its text, `exc` its short exception class)."""
+    # Communication.
+    if _WATCHDOG_FRAME_RE.search(t):
+        hits.append(Hit("nccl_timeout", Category.COMM_FAILURE, COMM, "nccl_timeout"))
+    elif _WATCHDOG_OTHER_FRAME_RE.search(t):
+        hits.append(Hit("nccl_error", Category.COMM_FAILURE, COMM, "nccl_watchdog"))
+    elif ("Ipc" in t or "IPC" in t) and _IPC_RE.search(t):
+        hits.append(Hit("ipc_handle", Category.COMM_FAILURE, COMM, "ipc_handle", exc=seg.exc))
+    elif _WATCHDOG_RE.search(t):
+        nums = {}
+        m = _RAN_FOR_RE.search(t)
+        if m:
+            nums["timeout_ms"] = int(m.group(1))
+        hits.append(Hit("nccl_timeout", Category.COMM_FAILURE, COMM, "nccl_timeout", numbers=nums))
+    elif _NCCL_ERR_RE.search(t):
+        sub = "nccl_unhandled_cuda_error" if "ncclUnhandledCudaError" in t else "nccl_error"
+        hits.append(Hit("nccl_error", Category.COMM_FAILURE, COMM, sub, exc=seg.exc))
+    elif _SOCKET_RE.search(t):
+        hits.append(Hit("rendezvous", Category.COMM_FAILURE, COMM, "rendezvous", exc=seg.exc))

@@ -1,0 +1,32 @@
+"""The GPU or its driver failed: illegal accesses, HSA errors, ECC, Xid, a GPU fallen off the bus."""
+
+from __future__ import annotations
+
+import re
+
+from supervisor.core.models import Category
+from supervisor.judge.diagnosis.hits import ROOT, Hit, Segment
+
+# --- device faults --------------------------------------------------------
+_DEVICE_RULES: tuple[tuple[str, re.Pattern[str], str | None], ...] = (
+    ("illegal_memory_access", re.compile(r"illegal memory access|\b(?:hip|cuda)ErrorIllegalAddress\b"), None),
+    ("memory_access_fault", re.compile(r"Memory access fault by GPU node"), "hip"),
+    ("gpu_hang", re.compile(r"GPU Hang|reason\s*:\s*GPU Hang|\bhipErrorLaunchTimeOut\b|launch timed out"), None),
+    ("hsa_error", re.compile(r"HSA_STATUS_ERROR_(?!OUT_OF_RESOURCES)\w+"), "hip"),
+    ("ecc_error", re.compile(r"uncorrectable ECC error|\bECC error\b|ECC errors? (?:detected|encountered)"), None),
+    ("xid", re.compile(r"\bNVRM: Xid\b|\bXid \(PCI:"), "cuda"),
+    ("fallen_off_bus", re.compile(r"fallen off the bus"), None),
+    ("launch_failure", re.compile(r"unspecified launch failure|\bhipErrorLaunchFailure\b"), None),
+    ("kernel_fault", re.compile(r"(?:CUDA|HIP) error: (?:misaligned address|an illegal instruction was encountered)"), None),
+    # nvidia-smi / NVML can no longer reach the GPU: it fell off the bus or its driver state is lost.
+    ("gpu_lost", re.compile(r"Unable to determine the device handle for (?:GPU|gpu)|\bGPU is lost\b"), "cuda"),
+)
+
+
+def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
+    """Append this family's hits for one segment (`t` its text, `exc` its short exception class)."""
+    # Device faults.
+    for name, rx, vendor in _DEVICE_RULES:
+        if rx.search(t):
+            hits.append(Hit(name, Category.DEVICE_FAULT, ROOT, name, fatal=True, vendor=vendor, exc=seg.exc))
+            break

@@ -1,0 +1,28 @@
+"""A disk or quota filled up, or a checkpoint writer failed the way a full disk makes it fail."""
+
+from __future__ import annotations
+
+import re
+
+from supervisor.core.models import Category
+from supervisor.judge.diagnosis.hits import ROOT, Hit, Segment
+
+# --- disk -----------------------------------------------------------------
+_DISK_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("no_space", re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|os error 28|StorageFull")),
+    ("quota", re.compile(r"Disk quota exceeded|\[Errno 122\]")),
+    (
+        "checkpoint_write_failed",
+        re.compile(r"PytorchStreamWriter failed writing file|unexpected pos \d+ vs \d+|file write failed"
+                   r"|write\(\): fd \d+ failed with"),
+    ),
+)
+
+
+def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
+    """Append this family's hits for one segment (`t` its text, `exc` its short exception class)."""
+    # Disk.
+    for name, rx in _DISK_RULES:
+        if rx.search(t):
+            hits.append(Hit(name, Category.DISK_FULL, ROOT, name, exc=seg.exc))
+            break

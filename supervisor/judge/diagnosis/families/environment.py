@@ -1,0 +1,30 @@
+"""The surroundings, not the job: DNS, the Hub, proxies, TLS. A transient failure: retried."""
+
+from __future__ import annotations
+
+import re
+
+from supervisor.core.models import Category
+from supervisor.judge.diagnosis.hits import ROOT, Hit, Segment
+
+# --- environment (transient: the network, the hub, DNS) -------------------
+_ENV_RE = re.compile(
+    r"Temporary failure in name resolution|NameResolutionError|Failed to resolve|Name or service not known"
+    r"|ReadTimeoutError|ConnectTimeoutError|MaxRetryError|ConnectionError|ConnectionResetError|Connection aborted"
+    r"|We couldn't connect to '?https?://|couldn't connect to|Network is unreachable|HTTP Error 50[234]|50[234] Server Error"
+    r"|check your connection|Please check your connection|Internet connection|SSLError|ProxyError"
+)
+# LocalEntryNotFoundError under HF_HUB_OFFLINE (or local_files_only) means "not cached": a config error.
+_OFFLINE_RE = re.compile(r"outgoing traffic has been disabled|HF_HUB_OFFLINE|local_files_only=True|offline mode")
+
+
+def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> bool:
+    """Append this family's hits for one segment (`t` its text, `exc` its short exception class).
+    True when no later family may speak (a network failure is not a config error)."""
+    # Transient environment failures, before config: a hub lookup that failed for want of a network.
+    # (A connection between ranks - c10d store, rendezvous, NCCL - stays a comm failure.)
+    if (_ENV_RE.search(t) and not _OFFLINE_RE.search(t) and (exc_form or "LocalEntryNotFoundError" in t)
+            and not any(h.category is Category.COMM_FAILURE for h in hits)):
+        hits.append(Hit("environment", Category.ENVIRONMENT, ROOT, "network", exc=seg.exc))
+        return True
+    return False

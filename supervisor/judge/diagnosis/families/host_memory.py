@@ -1,0 +1,45 @@
+"""Host memory ran out: PyTorch's CPU allocator, /dev/shm for DataLoader workers, std::bad_alloc,
+MemoryError, the kernel's OOM killer as the log quotes it."""
+
+from __future__ import annotations
+
+import re
+
+from supervisor.core.models import Category
+from supervisor.judge.diagnosis.hits import HINT, ROOT, Hit, Segment
+from supervisor.judge.diagnosis.kernel import KERNEL_OOM_RE
+
+# --- host OOM -------------------------------------------------------------
+_CPU_ALLOC_RE = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
+                           # PyTorch <= 1.1's CPUAllocator: posix_memalign returned ENOMEM (12)
+                           r"|posix_memalign\(.*\)\s*==\s*0\.?\s*12 vs 0")
+# /dev/shm exhausted: DataLoader workers pass batches through shared memory.
+_SHM_RE = re.compile(r"insufficient shared memory|out of shared memory|killed by signal: Bus error"
+                     r"|unable to write to file </torch_\w+>")
+_CPU_TRIED_RE = re.compile(r"you tried to allocate (\d+) bytes")
+_BAD_ALLOC_RE = re.compile(r"std::bad_alloc")
+
+
+def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
+    """Append this family's hits for one segment (`t` its text, `exc` its short exception class)."""
+    # Host OOM.
+    if "DefaultCPUAllocator" in t and _CPU_ALLOC_RE.search(t):
+        nums = {}
+        m = _CPU_TRIED_RE.search(t)
+        if m:
+            nums["tried_to_allocate"] = int(m.group(1))
+        hits.append(Hit("cpu_alloc" if exc_form else "cpu_alloc_mention", Category.HOST_OOM,
+                        ROOT if exc_form else HINT, "cpu_allocator", fatal=exc_form, numbers=nums,
+                        vendor="cpu", exc=seg.exc))
+    if ("shared memory" in t or "Bus error" in t or "</torch_" in t) and _SHM_RE.search(t):
+        hits.append(Hit("shm_exhausted", Category.HOST_OOM, ROOT, "shared_memory", fatal=exc_form, vendor="cpu",
+                        exc=seg.exc))
+    if "posix_memalign" in t and _CPU_ALLOC_RE.search(t) and not any(h.rule == "cpu_alloc" for h in hits):
+        hits.append(Hit("cpu_alloc" if exc_form else "cpu_alloc_mention", Category.HOST_OOM,
+                        ROOT if exc_form else HINT, "cpu_allocator", fatal=exc_form, vendor="cpu", exc=seg.exc))
+    if exc == "MemoryError":
+        hits.append(Hit("memory_error", Category.HOST_OOM, ROOT, "python_memory_error", fatal=True, vendor="cpu", exc=seg.exc))
+    if "bad_alloc" in t and _BAD_ALLOC_RE.search(t):
+        hits.append(Hit("bad_alloc", Category.HOST_OOM, ROOT, "bad_alloc", fatal=True, vendor="cpu"))
+    if ("emory" in t or "oom" in t) and KERNEL_OOM_RE.search(t):
+        hits.append(Hit("kernel_oom_kill", Category.HOST_OOM, ROOT, "oom_killer", fatal=True, vendor="cpu"))
