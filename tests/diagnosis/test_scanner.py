@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.core.models import Category, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import LogScanner, diagnose_bytes, diagnose_file
-from supervisor.judge.diagnosis.conclude import _oom_numbers
+from supervisor.judge.diagnosis.wording import oom_numbers
 from supervisor.judge.diagnosis.rules import KEYWORDS
 from supervisor.judge.diagnosis.sizes import human, parse_size
 from tests.diagnosis.cases import fixture_cases, load_case
@@ -186,16 +186,16 @@ def test_human():
 
 def test_fragmentation_rule():
     base = {"tried_to_allocate": 2 * GIB, "free": 1 * GIB, "total_capacity": 24 * GIB}
-    assert _oom_numbers({**base, "reserved_unallocated": int(2.5 * GIB)})[1] is True
-    assert _oom_numbers({**base, "reserved_unallocated": 1 * GIB})[1] is False  # less than the request
+    assert oom_numbers({**base, "reserved_unallocated": int(2.5 * GIB)})[1] is True
+    assert oom_numbers({**base, "reserved_unallocated": 1 * GIB})[1] is False  # less than the request
     small = {"tried_to_allocate": 2 * MIB, "free": 0, "total_capacity": 80 * GIB, "reserved_unallocated": 300 * MIB}
-    assert _oom_numbers(small)[1] is False  # >= request but < 5% of capacity
-    nums, _ = _oom_numbers(base)
+    assert oom_numbers(small)[1] is False  # >= request but < 5% of capacity
+    nums, _ = oom_numbers(base)
     assert nums["shortfall"] == 1 * GIB
 
 
 def test_shortfall_under_a_memory_fraction_cap():
-    nums, _ = _oom_numbers({"tried_to_allocate": 512 * MIB, "free": 20 * GIB, "allowed": 10 * GIB,
+    nums, _ = oom_numbers({"tried_to_allocate": 512 * MIB, "free": 20 * GIB, "allowed": 10 * GIB,
                             "allocated_by_pytorch": 9 * GIB + 800 * MIB, "reserved_unallocated": 100 * MIB})
     assert nums["shortfall"] == 512 * MIB - 124 * MIB
 

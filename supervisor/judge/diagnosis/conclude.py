@@ -48,10 +48,8 @@ GPU OOM derived numbers:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, teardown
@@ -60,13 +58,17 @@ from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.hits import COMM, CRASH, HINT, MARKER, ROOT, Hit
 from supervisor.judge.diagnosis.kernel import KERNEL_OOM_RE
 from supervisor.judge.diagnosis.sizes import human
+from supervisor.judge.diagnosis.wording import (
+    NEAR_ZERO_FLOOR,
+    NEAR_ZERO_FRACTION,
+    Root,
+    diagnosis_of,
+    fingerprint,
+    plain,
+    recovered_note,
+    tail_evidence,
+)
 
-MIB = 1024**2
-NEAR_ZERO_FLOOR = 64 * MIB
-NEAR_ZERO_FRACTION = 0.02
-FRAG_CAPACITY_FRACTION = 0.05
-FRAG_FLOOR = 256 * MIB
-MAX_EVIDENCE = 8
 REPEATED_MIN_SCALE_OVERFLOWS = 3
 NEAR_FULL_BYTES = 1024**3  # a folder with less free space than this is full for a checkpoint write
 # Categories the policy ends a job on or pauses the queue for: never from a hint alone.
@@ -89,34 +91,6 @@ _PHASE_ORDER = (Phase.CHECKPOINT_LOAD, Phase.CHECKPOINT_SAVE, Phase.EVALUATION, 
 _SUPERVISOR_STOPS = ("cancel", "shutdown")
 _OWN_KILLS = ("fatal_signal", "hang")
 _OWN_STOPS = (*_OWN_KILLS, "internal_error", "memory_limit", "orphaned")  # the supervisor's scancel, not someone's
-
-_SUBKIND_WORDS = {
-    "allocator": "PyTorch caching allocator",
-    "driver": "driver/library allocation",
-    "vllm_kv_cache": "vLLM KV cache does not fit",
-    "vllm_startup": "vLLM start-up memory check",
-    "batch_size_search_exhausted": "automatic batch-size search reached zero",
-    "cpu_allocator": "PyTorch CPU allocator",
-    "pinned": "pinned (page-locked) host memory",
-    "python_memory_error": "Python MemoryError",
-    "bad_alloc": "C++ std::bad_alloc",
-    "oom_killer": "killed by the kernel OOM killer",
-}
-
-
-@dataclass
-class _Root:
-    """A chosen cause: the finding it rests on (if any) and extra evidence."""
-
-    hit: Hit
-    line_no: int
-    text: str
-    rank: int | None
-    phase: Phase
-    notes: list[str] = field(default_factory=list)
-    extra: list[Evidence] = field(default_factory=list)
-    line_rule: str | None = None  # the log rule that matched root.line_no, when not hit.rule
-
 
 def _signal_name(exit: ExitRecord | None) -> str | None:
     if exit is None:
@@ -165,7 +139,7 @@ def _measured(host: HostEvidence | None) -> bool:
             or host.limit_enforced_kill or host.scheduler_state is not None)
 
 
-def _kernel_root(host: HostEvidence | None, state: ScanState) -> _Root | None:
+def _kernel_root(host: HostEvidence | None, state: ScanState) -> Root | None:
     """A device fault the kernel reported for the attempt's window (Xid, fallen off the bus, AER)."""
     if host is None or not host.kernel_lines:
         return None
@@ -175,7 +149,7 @@ def _kernel_root(host: HostEvidence | None, state: ScanState) -> _Root | None:
         return None
     what = f"Xid {f.code}" if f.code is not None else f.subkind.replace("_", " ")
     ev = [Evidence(line_no=0, text=x.text, rule=f"host:kernel_{x.subkind}") for x in faults[:3]]
-    return _Root(hit=Hit(f"kernel_{f.subkind}", Category.DEVICE_FAULT, ROOT, f.subkind, vendor=f.vendor),
+    return Root(hit=Hit(f"kernel_{f.subkind}", Category.DEVICE_FAULT, ROOT, f.subkind, vendor=f.vendor),
                  line_no=0, text=f.text, rank=None, phase=state.context_phase,
                  notes=[f"the kernel log reports {what}: {f.text[:200]}"], extra=ev)
 
@@ -214,7 +188,7 @@ _LOSS_VALUE_RE = re.compile(r"""(?:^|[\s{,'"|(])(?P<name>(?:total_|train_)?loss)
 NAN_TAIL_RUN = 2
 
 
-def _scale_collapse(state: ScanState) -> _Root | None:
+def _scale_collapse(state: ScanState) -> Root | None:
     """fp16 loss-scale collapse shown only as overflow lines: every step overflowed, the scale halving
     down to its minimum, and the log ends there."""
     run = state.scale_run
@@ -224,13 +198,13 @@ def _scale_collapse(state: ScanState) -> _Root | None:
     if block is None or block[1] != run[3]:
         return None
     text = next((t for n, t in state.program_tail() if n == run[3]), "")
-    return _Root(hit=Hit("loss_scale_collapse", Category.NUMERIC, ROOT, "loss_scale_at_minimum"),
+    return Root(hit=Hit("loss_scale_collapse", Category.NUMERIC, ROOT, "loss_scale_at_minimum"),
                  line_no=run[3], text=text.strip()[:2000], rank=None, phase=Phase.TRAIN_STEP,
                  notes=[(f"{run[0]} gradient overflows in a row (lines {run[2]}-{run[3]}), the fp16 loss scale"
                         f" halving down to {run[1]:g}: every step was skipped")])
 
 
-def _nan_tail_run(state: ScanState) -> _Root | None:
+def _nan_tail_run(state: ScanState) -> Root | None:
     """The run's last logged losses are all NaN/Inf (at least NAN_TAIL_RUN, no finite loss after the
     first of them): whatever ended it, it had stopped learning."""
     bad: list[tuple[int, str]] = []
@@ -248,7 +222,7 @@ def _nan_tail_run(state: ScanState) -> _Root | None:
     if len(bad) < NAN_TAIL_RUN:
         return None
     last, text = bad[0]
-    return _Root(hit=Hit("nan_loss_run", Category.NUMERIC, ROOT, "nan_loss"), line_no=last,
+    return Root(hit=Hit("nan_loss_run", Category.NUMERIC, ROOT, "nan_loss"), line_no=last,
                  text=text.strip()[:2000], rank=None, phase=Phase.TRAIN_STEP,
                  notes=[f"the last {len(bad)} logged losses are NaN/Inf (lines {bad[-1][0]}-{last}), none finite after"])
 
@@ -258,219 +232,8 @@ def _pick(findings: list[Finding], tier: int) -> Finding | None:
     return min(best, key=lambda f: (f.line_no, f.seq)) if best else None
 
 
-def _root_of(f: Finding) -> _Root:
-    return _Root(hit=f.hit, line_no=f.line_no, text=f.text, rank=f.rank, phase=f.phase, notes=list(f.notes))
-
-
-def _oom_numbers(nums: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    n = dict(nums)
-    tried = n.get("tried_to_allocate")
-    if tried is None:
-        return n, False
-    free = n.get("free")
-    usable = free
-    allowed = n.get("allowed")
-    if allowed is not None:
-        used = n.get("allocated_by_pytorch", 0) + n.get("reserved_unallocated", 0) + n.get("private_pools", 0)
-        headroom = max(0, allowed - used)
-        usable = headroom if free is None else min(free, headroom)
-    if usable is not None:
-        n["shortfall"] = max(0, tried - usable)
-    ru = n.get("reserved_unallocated")
-    frag = False
-    if ru is not None:
-        cap = n.get("total_capacity")
-        if allowed is not None:
-            cap = min(cap, allowed) if cap else allowed
-        floor = FRAG_CAPACITY_FRACTION * cap if cap else FRAG_FLOOR
-        frag = ru >= tried and ru >= floor
-    return n, frag
-
-
-def _vendor(root: _Root | None, state: ScanState) -> str:
-    if root is not None and root.hit.category is Category.HOST_OOM:
-        return "cpu"
-    if state.hip or (root is not None and root.hit.vendor == "hip"):
-        return "hip"
-    if root is not None and root.hit.vendor in ("cuda", "cpu"):
-        return root.hit.vendor
-    return "cuda" if state.cuda else "unknown"
-
-
-def _where(root: _Root, state: ScanState) -> str:
-    bits = []
-    if root.rank is not None:
-        bits.append(f"on rank {root.rank}")
-    if root.phase is not Phase.UNKNOWN:
-        bits.append(f"during {root.phase.value}")
-    if state.last_step is not None:
-        bits.append(f"(last step seen {state.last_step})")
-    return (" " + " ".join(bits)) if bits else ""
-
-
-def _summary(root: _Root, nums: dict[str, Any], frag: bool, state: ScanState, vendor: str) -> str:
-    cat = root.hit.category
-    sub = root.hit.subkind or ""
-    where = _where(root, state)
-    words = _SUBKIND_WORDS.get(sub, sub.replace("_", " "))
-    line = f"line {root.line_no}" if root.line_no else "host evidence"
-    if cat is Category.GPU_OOM:
-        s = f"GPU out of memory{where} [{vendor}, {words}]"
-        if "tried_to_allocate" in nums:
-            s += f": tried to allocate {human(nums['tried_to_allocate'])}"
-            if "free" in nums:
-                s += f" with {human(nums['free'])} free"
-            if "total_capacity" in nums:
-                s += f" of {human(nums['total_capacity'])}"
-            if "allowed" in nums:
-                s += f", {human(nums['allowed'])} allowed by the memory-fraction cap"
-            if "shortfall" in nums:
-                s += f"; short by {human(nums['shortfall'])}"
-        if "reserved_unallocated" in nums:
-            s += f"; {human(nums['reserved_unallocated'])} reserved by PyTorch but unallocated"
-            if frag:
-                s += " (fragmentation: the cache held enough, not in one block)"
-        if nums.get("held_by_others_inferred"):
-            s += (f"; {human(nums['not_held_by_pytorch'])} of the GPU is in use outside this process's PyTorch"
-                  f" allocator: {human(nums['held_by_others'])} of it counted as held by other processes")
-            s += (" (the process listed with the use that covers PyTorch's reservation is this one)"
-                  if "process_in_use" in nums else
-                  " (beyond an allowance for this process's own context and library buffers: the message cannot"
-                  " tell other processes from this process's non-PyTorch memory)")
-        s += f" ({line})."
-    elif cat is Category.HOST_OOM:
-        s = f"Host (CPU) memory exhausted{where} [{words}]"
-        if "tried_to_allocate" in nums:
-            s += f": tried to allocate {human(nums['tried_to_allocate'])}"
-        s += f" ({line})."
-    elif cat is Category.DEVICE_FAULT:
-        s = f"GPU device fault{where} [{vendor}, {words}] ({line}): {root.text[:200]}"
-    elif cat is Category.COMM_FAILURE:
-        s = f"Collective communication failure{where} [{words}] ({line}): {root.text[:200]}"
-    elif cat is Category.CONFIG_ERROR:
-        s = f"Configuration error [{words}] ({line}): {root.text[:300]}"
-    elif cat is Category.DISK_FULL:
-        s = f"Disk full or write failed{where} [{words}] ({line}): {root.text[:200]}"
-    elif cat is Category.ENVIRONMENT:
-        s = (f"Transient environment failure{where} [{words}] ({line}): {root.text[:300]}"
-             " (the network or the model hub; a retry later is expected to work)")
-    elif cat is Category.NUMERIC:
-        s = f"Numerical failure{where} [{words}] ({line}): {root.text[:200]}"
-    else:
-        s = f"Crash{where} [{words}] ({line}): {root.text[:300]}"
-    for note in root.notes:
-        s += f" Note: {note}."
-    return s
-
-
-def _recovered_note(state: ScanState) -> str:
-    rec = [f for f in state.findings if f.recovered and f.category in (Category.GPU_OOM, Category.HOST_OOM)]
-    if not rec:
-        return ""
-    f = rec[0]
-    return (f" {len(rec)} out-of-memory error(s) were caught and retried inside the program"
-            f" (first at line {f.line_no}; {'; '.join(f.notes) or 'training continued'}).")
-
-
-# What the lines before a failure say the run was doing, when neither a traceback's frames nor the
-# trainer's markers did: an evaluation bar, training progress (a bar in it/s, an epoch/iter/step
-# counter, a loss value), a model being loaded, a checkpoint being saved. Read from the tail, nearest first.
-_TAIL_PHASES: tuple[tuple[re.Pattern[str], Phase], ...] = (
-    (re.compile(r"\b(?:[Ee]val\w*|[Vv]alidat\w*|[Pp]redict\w*)\b[^\n]*\d+%\|"), Phase.EVALUATION),
-    (re.compile(r"\d+/\d+ \[[\d:]+<[\d:?]+,\s*[\d.?]+\s*(?:it/s|s/it|\w+/s|s/\w+)|\b(?:[Ee]poch|iter(?:ation)?|step)"
-                r"\s*[:=]?\s*\d|\bloss\w*['\"]?\s*[:=]\s*[-\d.]|\b[Ss]tart(?:ing)? [Tt]raining\b"), Phase.TRAIN_STEP),
-    (re.compile(r"\b(?:[Ll]oading|[Ii]nitiali[sz]ing)\b.*\b(?:model|weights|tensors|decoder|encoder|shards|pretrained)\b"),
-     Phase.MODEL_LOAD),
-    (re.compile(r"\b[Ss]aving\b.*\b(?:checkpoint|model|weights)\b"), Phase.CHECKPOINT_SAVE),
-)
-
-
-def _tail_phase(state: ScanState, before: int) -> Phase:
-    for n, text in reversed(state.program_tail()):
-        if before and n >= before:
-            continue
-        for rx, phase in _TAIL_PHASES:
-            if rx.search(text):
-                return phase
-    return Phase.UNKNOWN
-
-
-def _diagnosis(root: _Root, state: ScanState, extra_summary: str = "", strength: str = "structural") -> Diagnosis:
-    if root.phase is Phase.UNKNOWN:
-        root.phase = _tail_phase(state, root.line_no)
-        if root.phase is Phase.UNKNOWN and root.hit.category is Category.NUMERIC:
-            root.phase = Phase.TRAIN_STEP  # losses and loss scales exist only while training
-    vendor = _vendor(root, state)
-    nums, frag = dict(root.hit.numbers), False
-    if root.hit.category is Category.GPU_OOM:
-        nums, frag = _oom_numbers(nums)
-    evidence: list[Evidence] = []
-    if root.line_no:
-        evidence.append(Evidence(line_no=root.line_no, text=root.text, rule=root.line_rule or root.hit.rule))
-    evidence.extend(root.extra)
-    for f in state.findings:  # supporting lines: other decisive findings, kill markers, launcher summary
-        if len(evidence) >= MAX_EVIDENCE:
-            break
-        if f.line_no == root.line_no and f.rule in (root.hit.rule, root.line_rule):
-            continue
-        if f.recovered or f.tier == HINT:
-            continue
-        if any(e.rule == f.rule and e.line_no == f.line_no for e in evidence):
-            continue
-        evidence.append(f.evidence())
-    summary = _summary(root, nums, frag, state, vendor) + extra_summary + _recovered_note(state)
-    return Diagnosis(
-        category=root.hit.category,
-        summary=summary.strip(),
-        subkind=root.hit.subkind,
-        vendor=vendor,
-        phase=root.phase,
-        rank=root.rank,
-        numbers=nums,
-        evidence=tuple(evidence[:MAX_EVIDENCE]),
-        fragmentation=frag,
-        strength=strength,
-    )
-
-
-def _plain(category: Category, subkind: str | None, summary: str, state: ScanState,
-           evidence: tuple[Evidence, ...] = (), phase: Phase | None = None) -> Diagnosis:
-    return Diagnosis(
-        category=category,
-        summary=summary.strip(),
-        subkind=subkind,
-        vendor="hip" if state.hip else ("cuda" if state.cuda else "unknown"),
-        phase=state.context_phase if phase is None else phase,
-        evidence=evidence[:MAX_EVIDENCE],
-    )
-
-
-def _tail_evidence(state: ScanState, n: int = 3) -> tuple[Evidence, ...]:
-    lines = [(no, t) for no, t in state.tail if t.strip()]
-    return tuple(Evidence(line_no=no, text=t.strip()[:500], rule="tail") for no, t in lines[-n:])
-
-
-_NORM_RES = (
-    (re.compile(r"\[(?:rank|default)\d+\]:|\[(?:PG [^\]]*?)?Rank \d+\]"), ""),
-    (re.compile(r"0x[0-9a-fA-F]+"), "0x"),
-    (re.compile(r"(?:[\w.~-]*/)+[\w.-]*"), "<path>"),
-    (re.compile(r"\d+(?:[.,:]\d+)*"), "N"),
-    (re.compile(r"\s+"), " "),
-)
-
-
-def normalise_line(text: str) -> str:
-    """A log line without what changes between attempts: ranks, addresses, paths, numbers."""
-    for rx, sub in _NORM_RES:
-        text = rx.sub(sub, text)
-    return text.strip()[:300]
-
-
-def fingerprint(d: Diagnosis) -> str:
-    """category/subkind + a hash of the normalised deciding line: the same failure again gives the same."""
-    line = next((e.text for e in d.evidence if e.rule != "tail"), "")
-    digest = hashlib.sha1(normalise_line(line).encode()).hexdigest()[:12] if line else "-"
-    return f"{d.category.value}/{d.subkind or '-'}/{digest}"
+def _root_of(f: Finding) -> Root:
+    return Root(hit=f.hit, line_no=f.line_no, text=f.text, rank=f.rank, phase=f.phase, notes=list(f.notes))
 
 
 def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
@@ -499,72 +262,90 @@ def _with_memory(d: Diagnosis, host: HostEvidence | None) -> Diagnosis:
     return dataclasses.replace(d, numbers=nums, summary=f"{d.summary} Memory: {', '.join(said)}.")
 
 
+@dataclass
+class _Case:
+    """One attempt's end as the steps below read it; `_weigh` fills in what the log and host prove."""
+
+    state: ScanState
+    exit: ExitRecord | None
+    host: HostEvidence | None
+    stopped_by: str | None
+    signal: str | None
+    active: list[Finding] = field(default_factory=list)
+    kill_marker: Finding | None = None
+    own_kill: bool = False
+    exit_killed: bool = False
+    killed: bool = False
+    root: Root | None = None
+
+    def last_step(self, lead: str = " Last step seen") -> str:
+        return f"{lead} {self.state.last_step}." if self.state.last_step is not None else ""
+
+
 def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
-    stopped_by = exit.stopped_by if exit is not None else None
-    signal = _signal_name(exit)
+    case = _Case(state, exit, host, exit.stopped_by if exit is not None else None, _signal_name(exit))
+    for step in STEPS:
+        d = step(case)
+        if d is not None:
+            return d
+    raise AssertionError("the last step always concludes")  # pragma: no cover
 
-    if stopped_by in _SUPERVISOR_STOPS:
-        return _plain(Category.UNKNOWN, "stopped_by_supervisor",
-                      f"Stopped by the supervisor ({stopped_by}); not a failure."
-                      + (f" Last step seen {state.last_step}." if state.last_step is not None else ""), state)
 
-    if exit is not None and exit.returncode == 0 and stopped_by is None:
-        nan = [f for f in state.findings if f.rule == "nan_loss"]
-        extra = f" NaN/Inf losses were logged (first at line {nan[0].line_no})." if nan else ""
-        return _plain(Category.SUCCESS, None,
-                      "Exited with status 0." + (f" Last step {state.last_step}." if state.last_step is not None else "")
-                      + _recovered_note(state) + extra, state)
+def _stopped_by_us(c: _Case) -> Diagnosis | None:
+    if c.stopped_by in _SUPERVISOR_STOPS:
+        return plain(Category.UNKNOWN, "stopped_by_supervisor",
+                     f"Stopped by the supervisor ({c.stopped_by}); not a failure." + c.last_step(), c.state)
+    return None
 
-    launch = _launch_failure(state, exit)
-    if launch is not None:
-        return launch
-    sched = host.scheduler_state if host is not None else None
-    if sched == "CANCELLED" and stopped_by in _OWN_STOPS:
-        sched = None  # the supervisor's own stop (fatal line, hang, ...) cancelled it: the log decides
-    if sched in _SCHEDULER_VERDICTS:
-        category, subkind, words = _SCHEDULER_VERDICTS[sched]
-        return dataclasses.replace(_plain(category, subkind, f"The scheduler reports {sched}: {words}."
-                                          + (f" Last step seen {state.last_step}." if state.last_step is not None else ""),
-                                          state, _tail_evidence(state, 2)),
-                                   numbers={"scheduler_state": sched})
 
-    active = [f for f in state.findings if not f.recovered]
-    decisive = _decisive(active, signal)
-    if stopped_by != "fatal_signal":  # our own live stop: the finding that triggered it decides
+def _clean_exit(c: _Case) -> Diagnosis | None:
+    if c.exit is None or c.exit.returncode != 0 or c.stopped_by is not None:
+        return None
+    nan = [f for f in c.state.findings if f.rule == "nan_loss"]
+    extra = f" NaN/Inf losses were logged (first at line {nan[0].line_no})." if nan else ""
+    return plain(Category.SUCCESS, None, "Exited with status 0." + c.last_step(" Last step")
+                 + recovered_note(c.state) + extra, c.state)
+
+
+def _never_started(c: _Case) -> Diagnosis | None:
+    return _launch_failure(c.state, c.exit)
+
+
+def _scheduler_said(c: _Case) -> Diagnosis | None:
+    sched = c.host.scheduler_state if c.host is not None else None
+    if sched == "CANCELLED" and c.stopped_by in _OWN_STOPS:
+        return None  # the supervisor's own stop (fatal line, hang, ...) cancelled it: the log decides
+    if sched not in _SCHEDULER_VERDICTS:
+        return None
+    category, subkind, words = _SCHEDULER_VERDICTS[sched]
+    return dataclasses.replace(plain(category, subkind, f"The scheduler reports {sched}: {words}." + c.last_step(),
+                                     c.state, tail_evidence(c.state, 2)),
+                               numbers={"scheduler_state": sched})
+
+
+def _weigh(c: _Case) -> Diagnosis | None:
+    """The log's structural findings, the kill and its corroboration, the loss scale, the NaN tail
+    and the kernel's own report: the root cause among them (a disk-full verdict the disk's
+    measured free space contradicts is demoted here)."""
+    state, host = c.state, c.host
+    c.active = active = [f for f in state.findings if not f.recovered]
+    decisive = _decisive(active, c.signal)
+    if c.stopped_by != "fatal_signal":  # our own live stop: the finding that triggered it decides
         seen = {(f.line_no, f.rule) for f in decisive}
         decisive += [f for f in _final_error(state, active) if (f.line_no, f.rule) not in seen]
-    own_kill = stopped_by in _OWN_KILLS
-    exit_killed = not own_kill and signal == "SIGKILL"
-    kill_marker = next((f for f in active if f.rule == "sigkill"), None)
-    killed = (exit_killed or kill_marker is not None or bool(host and host.limit_enforced_kill)
-              or bool(host and host.scheduler_state == "OUT_OF_MEMORY"))
-    words, kernel_ev = _memory_corroboration(host)
-    cgroup_kills = bool(host and host.cgroup_oom_kills)
-
-    candidates: list[_Root] = []
+    c.own_kill = c.stopped_by in _OWN_KILLS
+    c.exit_killed = not c.own_kill and c.signal == "SIGKILL"
+    c.kill_marker = next((f for f in active if f.rule == "sigkill"), None)
+    c.killed = (c.exit_killed or c.kill_marker is not None or bool(host and host.limit_enforced_kill)
+                or bool(host and host.scheduler_state == "OUT_OF_MEMORY"))
+    candidates: list[Root] = []
     first = _refine(_pick_structural(decisive), active)
     if first is not None:
         candidates.append(_root_of(first))
-    host_root: _Root | None = None
-    if words and (killed or cgroup_kills):
-        at = kill_marker.line_no if kill_marker else 0
-        if host is not None and host.limit_enforced_kill and not exit_killed and kill_marker is None:
-            what = "the supervisor stopped the job at its memory limit"
-        elif killed:
-            what = "SIGKILL " + ("(exit status)" if exit_killed else f"(line {kill_marker.line_no})")  # type: ignore[union-attr]
-        else:
-            what = "a process in the job's cgroup was OOM-killed"
-        host_root = _Root(
-            hit=Hit("oom_killer", Category.HOST_OOM, ROOT, "oom_killer", vendor="cpu"),
-            line_no=at, text=kill_marker.text if kill_marker else "", rank=kill_marker.rank if kill_marker else None,
-            phase=kill_marker.phase if kill_marker else state.context_phase,
-            notes=[f"{what}, corroborated by: {', '.join(words)}"], extra=kernel_ev,
-            line_rule="sigkill" if kill_marker else None,
-        )
     if state.min_loss_scale_overflows >= REPEATED_MIN_SCALE_OVERFLOWS:
-        candidates.append(_Root(hit=Hit("loss_scale_stuck", Category.NUMERIC, ROOT, "loss_scale_at_minimum"),
-                                line_no=0, text="", rank=None, phase=state.context_phase,
-                                notes=[f"{state.min_loss_scale_overflows} overflows at loss scale 1"]))
+        candidates.append(Root(hit=Hit("loss_scale_stuck", Category.NUMERIC, ROOT, "loss_scale_at_minimum"),
+                               line_no=0, text="", rank=None, phase=state.context_phase,
+                               notes=[f"{state.min_loss_scale_overflows} overflows at loss scale 1"]))
     else:
         collapse = _scale_collapse(state)
         if collapse is not None:
@@ -572,84 +353,142 @@ def _conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | No
     nan_run = _nan_tail_run(state)
     if nan_run is not None:
         candidates.append(nan_run)
-    kernel_root = _kernel_root(host, state)
+    c.root = _choose(candidates, _host_root(c), _kernel_root(host, state))
+    if c.root is not None and c.root.hit.category is Category.DISK_FULL:
+        c.root, demoted = _confirm_disk(c.root, host, state)
+        return demoted
+    return None
 
-    root = _choose(candidates, host_root, kernel_root)
-    if root is not None and root.hit.category is Category.DISK_FULL:
-        root, demoted = _confirm_disk(root, host, state)
-        if demoted is not None:
-            return demoted
 
-    if stopped_by == "hang":
-        oom = [f for f in active if f.category in (Category.GPU_OOM, Category.HOST_OOM)]
-        if root is not None and root.hit.tier in (ROOT, COMM) and root.hit.category not in OOM_CATEGORIES:
-            return _diagnosis(root, state, " The supervisor stopped it after no progress.")
-        if root is not None and root.hit.category in OOM_CATEGORIES:
-            return _diagnosis(root, state, _hang_after_oom(root.rank, root.line_no))
-        if oom:
-            # One rank ran out of memory and the others wait for it in a collective: the OOM is the
-            # hang's likely cause, and a retry of the same configuration would hang the same way.
-            f = max(oom, key=lambda f: (f.tier == ROOT, f.line_no, f.seq))
-            return _diagnosis(_root_of(f), state, _hang_after_oom(f.rank, f.line_no), strength="hint")
-        comm = _pick([f for f in active if not f.structural], COMM)
-        if comm is not None:  # a watchdog's own log line says why nothing moved (a retry either way)
-            return _diagnosis(_root_of(comm), state, " The supervisor stopped it after no progress (from a"
-                              " runtime's log line, not an exception: weaker evidence).", strength="hint")
-        return _plain(Category.HANG, "no_progress",
-                      "No output or progress for the hang timeout; the supervisor stopped the attempt."
-                      + (f" Last step seen {state.last_step}." if state.last_step is not None else " No training step was seen."),
-                      state, _tail_evidence(state))
+def _host_root(c: _Case) -> Root | None:
+    """A kill (or the cgroup's OOM kill counter) that host memory evidence corroborates: host OOM."""
+    host, kill_marker = c.host, c.kill_marker
+    words, kernel_ev = _memory_corroboration(host)
+    if not words or not (c.killed or (host and host.cgroup_oom_kills)):
+        return None
+    if host is not None and host.limit_enforced_kill and not c.exit_killed and kill_marker is None:
+        what = "the supervisor stopped the job at its memory limit"
+    elif c.killed:
+        what = "SIGKILL " + ("(exit status)" if c.exit_killed else f"(line {kill_marker.line_no})")  # type: ignore[union-attr]
+    else:
+        what = "a process in the job's cgroup was OOM-killed"
+    return Root(
+        hit=Hit("oom_killer", Category.HOST_OOM, ROOT, "oom_killer", vendor="cpu"),
+        line_no=kill_marker.line_no if kill_marker else 0, text=kill_marker.text if kill_marker else "",
+        rank=kill_marker.rank if kill_marker else None,
+        phase=kill_marker.phase if kill_marker else c.state.context_phase,
+        notes=[f"{what}, corroborated by: {', '.join(words)}"], extra=kernel_ev,
+        line_rule="sigkill" if kill_marker else None,
+    )
 
-    if root is not None:
-        return _diagnosis(root, state)
 
-    if stopped_by == "fatal_signal":
-        return _plain(Category.UNKNOWN, "no_evidence",
-                      "The supervisor stopped the attempt on a fatal line, but no decisive failure is in the log now.", state)
+def _hung(c: _Case) -> Diagnosis | None:
+    if c.stopped_by != "hang":
+        return None
+    root, state = c.root, c.state
+    oom = [f for f in c.active if f.category in (Category.GPU_OOM, Category.HOST_OOM)]
+    if root is not None and root.hit.tier in (ROOT, COMM) and root.hit.category not in OOM_CATEGORIES:
+        return diagnosis_of(root, state, " The supervisor stopped it after no progress.")
+    if root is not None and root.hit.category in OOM_CATEGORIES:
+        return diagnosis_of(root, state, _hang_after_oom(root.rank, root.line_no))
+    if oom:
+        # One rank ran out of memory and the others wait for it in a collective: the OOM is the
+        # hang's likely cause, and a retry of the same configuration would hang the same way.
+        f = max(oom, key=lambda f: (f.tier == ROOT, f.line_no, f.seq))
+        return diagnosis_of(_root_of(f), state, _hang_after_oom(f.rank, f.line_no), strength="hint")
+    comm = _pick([f for f in c.active if not f.structural], COMM)
+    if comm is not None:  # a watchdog's own log line says why nothing moved (a retry either way)
+        return diagnosis_of(_root_of(comm), state, " The supervisor stopped it after no progress (from a"
+                            " runtime's log line, not an exception: weaker evidence).", strength="hint")
+    return plain(Category.HANG, "no_progress",
+                 "No output or progress for the hang timeout; the supervisor stopped the attempt."
+                 + (c.last_step() or " No training step was seen."), state, tail_evidence(state))
 
-    log_kill = max((f for f in active if f.rule == "sigkill"), key=lambda f: f.line_no, default=None)
-    if (killed and log_kill is not None and not _measured(host) and not own_kill
-            and state.last_advance_line <= log_kill.line_no):
-        # The log's own report of the kill (the shell's "Killed", a launcher's "-9") and nothing measured
-        # either way: the kernel's OOM killer is by far the likeliest sender. Said as a likely cause.
-        first_kill = kill_marker or log_kill
-        root = _Root(hit=Hit("oom_killer_unconfirmed", Category.HOST_OOM, ROOT, "oom_killer_unconfirmed", vendor="cpu"),
-                     line_no=first_kill.line_no, text=first_kill.text, rank=first_kill.rank, phase=first_kill.phase,
-                     notes=[("killed by SIGKILL, most likely by the kernel's OOM killer; no host memory evidence"
-                             " (cgroup counter, kernel log, memory samples) was gathered to confirm it or rule it out")],
-                     line_rule="sigkill")
-        return _diagnosis(root, state, " (a likely cause, not confirmed: weaker evidence)", strength="hint")
 
-    if killed:
-        where = f"exit status ({signal})" if exit_killed else (
-            f"line {kill_marker.line_no}" if kill_marker else "the supervisor's memory-limit enforcement")
-        ev = (kill_marker.evidence(),) if kill_marker else ()
-        gathered = "no host memory evidence was gathered" if host is None else \
-            "the cgroup OOM counter, kernel log and memory samples show no memory exhaustion"
-        return Diagnosis(
-            category=Category.CRASH_OTHER, subkind="sigkill_unexplained",
-            summary=(f"Killed by SIGKILL ({where}); {gathered}, so this is not called a host OOM: it may be the"
-                     f" kernel OOM killer or an outside `kill -9`."),
-            vendor="hip" if state.hip else ("cuda" if state.cuda else "unknown"),
-            phase=kill_marker.phase if kill_marker else state.context_phase,
-            rank=kill_marker.rank if kill_marker else None,
-            evidence=ev + _tail_evidence(state, 2),
-        )
+def _rooted(c: _Case) -> Diagnosis | None:
+    return diagnosis_of(c.root, c.state) if c.root is not None else None
 
-    by_signal = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", "SIGTERM": "sigterm", "SIGINT": "interrupted"}
-    hint = _pick_hint(active)
-    if signal in by_signal and (hint is None or hint.tier not in (ROOT, COMM)):
-        return _plain(Category.CRASH_OTHER, by_signal[signal],
-                      f"Ended by {signal} with no recognised error in the log.", state, _tail_evidence(state))
 
-    if hint is not None:
-        return _hint_diagnosis(hint, state)
+def _fatal_line_gone(c: _Case) -> Diagnosis | None:
+    if c.stopped_by != "fatal_signal":
+        return None
+    return plain(Category.UNKNOWN, "no_evidence",
+                 "The supervisor stopped the attempt on a fatal line, but no decisive failure is in the log now.",
+                 c.state)
 
-    rc = exit.returncode if exit is not None else None
+
+def _likely_oom_kill(c: _Case) -> Diagnosis | None:
+    """The log's own report of the kill (the shell's "Killed", a launcher's "-9") and nothing
+    measured either way: the kernel's OOM killer is by far the likeliest sender. Said as a likely cause."""
+    log_kill = max((f for f in c.active if f.rule == "sigkill"), key=lambda f: f.line_no, default=None)
+    if not (c.killed and log_kill is not None and not _measured(c.host) and not c.own_kill
+            and c.state.last_advance_line <= log_kill.line_no):
+        return None
+    first_kill = c.kill_marker or log_kill
+    root = Root(hit=Hit("oom_killer_unconfirmed", Category.HOST_OOM, ROOT, "oom_killer_unconfirmed", vendor="cpu"),
+                line_no=first_kill.line_no, text=first_kill.text, rank=first_kill.rank, phase=first_kill.phase,
+                notes=[("killed by SIGKILL, most likely by the kernel's OOM killer; no host memory evidence"
+                        " (cgroup counter, kernel log, memory samples) was gathered to confirm it or rule it out")],
+                line_rule="sigkill")
+    return diagnosis_of(root, c.state, " (a likely cause, not confirmed: weaker evidence)", strength="hint")
+
+
+def _unexplained_kill(c: _Case) -> Diagnosis | None:
+    if not c.killed:
+        return None
+    kill_marker, state = c.kill_marker, c.state
+    where = f"exit status ({c.signal})" if c.exit_killed else (
+        f"line {kill_marker.line_no}" if kill_marker else "the supervisor's memory-limit enforcement")
+    ev = (kill_marker.evidence(),) if kill_marker else ()
+    gathered = "no host memory evidence was gathered" if c.host is None else \
+        "the cgroup OOM counter, kernel log and memory samples show no memory exhaustion"
+    return Diagnosis(
+        category=Category.CRASH_OTHER, subkind="sigkill_unexplained",
+        summary=(f"Killed by SIGKILL ({where}); {gathered}, so this is not called a host OOM: it may be the"
+                 f" kernel OOM killer or an outside `kill -9`."),
+        vendor="hip" if state.hip else ("cuda" if state.cuda else "unknown"),
+        phase=kill_marker.phase if kill_marker else state.context_phase,
+        rank=kill_marker.rank if kill_marker else None,
+        evidence=ev + tail_evidence(state, 2),
+    )
+
+
+_BY_SIGNAL = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", "SIGTERM": "sigterm",
+              "SIGINT": "interrupted"}
+
+
+def _signal_or_hint(c: _Case) -> Diagnosis | None:
+    hint = _pick_hint(c.active)
+    if c.signal in _BY_SIGNAL and (hint is None or hint.tier not in (ROOT, COMM)):
+        return plain(Category.CRASH_OTHER, _BY_SIGNAL[c.signal],
+                     f"Ended by {c.signal} with no recognised error in the log.", c.state, tail_evidence(c.state))
+    return _hint_diagnosis(hint, c.state) if hint is not None else None
+
+
+def _nothing_recognised(c: _Case) -> Diagnosis:
+    rc = c.exit.returncode if c.exit is not None else None
     if rc is None:
-        return _plain(Category.UNKNOWN, "no_evidence", "No failure evidence in the log.", state, _tail_evidence(state))
-    return _plain(Category.UNKNOWN, "no_evidence",
-                  f"Exited with status {rc}; the log shows no recognised error.", state, _tail_evidence(state))
+        return plain(Category.UNKNOWN, "no_evidence", "No failure evidence in the log.", c.state,
+                     tail_evidence(c.state))
+    return plain(Category.UNKNOWN, "no_evidence", f"Exited with status {rc}; the log shows no recognised error.",
+                 c.state, tail_evidence(c.state))
+
+
+# The verdict's precedence, first that speaks wins (the module docstring says why each sits where it does).
+STEPS = (
+    _stopped_by_us,       # 1. cancel/shutdown: not a failure
+    _clean_exit,          #    status 0: success
+    _never_started,       # 2. the command never started: config_error
+    _scheduler_said,      #    TIMEOUT, PREEMPTED, CANCELLED, NODE_FAIL decide
+    _weigh,               # 3. the root cause the log and host prove (disk-full checked against statvfs)
+    _hung,                # 5. the supervisor's hang stop, refined by what the log shows
+    _rooted,              # 3. that root cause
+    _fatal_line_gone,     #    stopped on a fatal line no longer decisive
+    _likely_oom_kill,     # 4. a kill the log reports, nothing measured: a likely host OOM (hint)
+    _unexplained_kill,    #    any other kill: crash_other/sigkill_unexplained
+    _signal_or_hint,      # 6. a fatal signal, then hints
+    _nothing_recognised,  #    unknown
+)
 
 
 OOM_CATEGORIES = (Category.GPU_OOM, Category.HOST_OOM)
@@ -749,7 +588,7 @@ def _hint_diagnosis(hint: Finding, state: ScanState) -> Diagnosis:
         note += f"; not treated as {hint.category.value}"
         root.hit = Hit(hint.hit.rule, Category.CRASH_OTHER, hint.hit.tier, hint.hit.subkind, exc=hint.hit.exc,
                        numbers=dict(hint.hit.numbers), vendor=hint.hit.vendor)
-    return _diagnosis(root, state, note + ")", strength="hint")
+    return diagnosis_of(root, state, note + ")", strength="hint")
 
 
 def _launch_failure(state: ScanState, exit: ExitRecord | None) -> Diagnosis | None:
@@ -763,11 +602,11 @@ def _launch_failure(state: ScanState, exit: ExitRecord | None) -> Diagnosis | No
     what = what.split("oom-supervisor: ", 1)[-1]
     ev = (line.evidence(),) if line is not None else ()
     return dataclasses.replace(
-        _plain(Category.CONFIG_ERROR, "launch_failed", f"could not start: {what}", state, ev, phase=Phase.UNKNOWN),
+        plain(Category.CONFIG_ERROR, "launch_failed", f"could not start: {what}", state, ev, phase=Phase.UNKNOWN),
         numbers={"returncode": exit.returncode} if exit.returncode is not None else {})
 
 
-def _confirm_disk(root: _Root, host: HostEvidence | None, state: ScanState) -> tuple[_Root, Diagnosis | None]:
+def _confirm_disk(root: Root, host: HostEvidence | None, state: ScanState) -> tuple[Root, Diagnosis | None]:
     """Disk full needs the file system to agree when statvfs was measured (a quota is not visible there)."""
     if host is None or not host.free_bytes or root.hit.subkind == "quota":
         return root, None
@@ -778,10 +617,10 @@ def _confirm_disk(root: _Root, host: HostEvidence | None, state: ScanState) -> t
     free = ", ".join(f"{p} has {human(b)} free" for p, b in sorted(host.free_bytes.items()))
     root.hit = Hit(root.hit.rule, Category.CRASH_OTHER, root.hit.tier, root.hit.subkind, exc=root.hit.exc)
     root.notes.append(f"the log says the disk is full but statvfs disagrees ({free}); not treated as disk_full")
-    return root, _diagnosis(root, state, strength="hint")
+    return root, diagnosis_of(root, state, strength="hint")
 
 
-def _choose(candidates: list[_Root], host_root: _Root | None, kernel_root: _Root | None = None) -> _Root | None:
+def _choose(candidates: list[Root], host_root: Root | None, kernel_root: Root | None = None) -> Root | None:
     """Earliest tier-1 cause; a corroborated OOM kill counts as tier 1 at its kill line; a device fault
     the kernel reported counts as tier 1 without a line (after any line-located tier-1 cause)."""
     tier1 = [c for c in candidates if c.hit.tier == ROOT]
