@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from supervisor.core.models import Category, ExitRecord
 from supervisor.judge.diagnosis import LogScanner, diagnose_bytes
-from supervisor.judge.diagnosis.scanner import LONG_LINE
+from supervisor.judge.diagnosis.scan_patterns import LONG_LINE
 
 OOM = (b"[rank3]: torch.OutOfMemoryError: HIP out of memory. Tried to allocate 124.00 MiB. GPU 0 has a total "
        b"capacity of 19.94 GiB of which 554.47 MiB is free.")

@@ -15,7 +15,8 @@ import os
 from typing import Any
 
 from supervisor.core.models import Diagnosis, ExitRecord, HostEvidence
-from supervisor.judge.diagnosis.scanner import PREFILTER_ENGINE, LogScanner
+from supervisor.judge.diagnosis.scan_patterns import PREFILTER_ENGINE
+from supervisor.judge.diagnosis.scanner import LogScanner
 
 CHUNK_BYTES = 1 << 20
 
