@@ -148,6 +148,13 @@ def _infer_foreign(nums: dict[str, int], procs: list[int]) -> None:
 
 def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
     """Append this family's hits for one segment (`t` its text, `exc` its short exception class)."""
+    _torch_and_drivers(seg, t, exc, exc_form, hits)
+    _vllm(seg, t, exc, exc_form, hits)
+    _other_frameworks(seg, t, exc, exc_form, hits)
+
+
+def _torch_and_drivers(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
+    """PyTorch's caching allocator, Ray's wrapper of it, the drivers and vendor libraries."""
     # GPU OOM, allocator level. Decisive only as an exception line: a program
     # that catches an OOM and prints it (then retries) must not look failed.
     if "emory" in t or "OutOfMemory" in t:
@@ -184,6 +191,10 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
                     nums["tried_to_allocate"] = int(b.group(1) or b.group(2))
                 hits.append(Hit("driver_oom", Category.GPU_OOM, ROOT, "driver", fatal=True, numbers=nums,
                                 vendor=vendor, exc=seg.exc))
+
+
+def _vllm(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
+    """vLLM's KV-cache and start-up memory checks."""
     if "memory" in t or "KV cache" in t:
         m = _VLLM_KV_RE.search(t)
         if m:
@@ -205,6 +216,10 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
             }
             hits.append(Hit("vllm_startup", Category.GPU_OOM, ROOT if exc_form else HINT, "vllm_startup",
                             numbers=nums, exc=seg.exc))
+
+
+def _other_frameworks(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
+    """TensorFlow, XLA, ggml, bitsandbytes, Triton's resources, the automatic batch-size search."""
     if "OOM when" in t:
         m = _TF_OOM_RE.search(t)
         if m:
