@@ -41,7 +41,7 @@ Scenarios (each prints the same figures):
   that others hold must never refuse a job (at most a bounded wait, `host_wait`), and a job the
   box can run must not be refused.
 
-Every scenario runs the daemon's order: the refusal (`learn.infeasible`) before attempt 1, then
+Every scenario runs the daemon's order: the refusal (`LR.infeasible`) before attempt 1, then
 the climb. Refusals are printed as their own line: true (an infeasible job refused) and false (a
 runnable job refused: a night lost for nothing).
 
@@ -55,7 +55,7 @@ first-attempt fit rate and the cost (best feasible throughput / that of the conf
 job ends at, >= 1) without observations (the job as submitted, climbing the ladder), with the
 estimator alone as a first-attempt plan, and after ONE night of a job of the same kind: the same
 job (`same_job`), the same model at another cutoff_len (`other_seq`), the nearest model size with
-the same vocabulary (`sibling`). The night's observations are built by `learn.observation` from
+the same vocabulary (`sibling`). The night's observations are built by `LO.observation` from
 the simulator's truth (a fit's true peak; an OOM's diagnosis, a lower bound).
 It then runs the whole grid for two nights in ONE observation store, as a daemon would (jobs in a
 fixed shuffled order; each first attempt learns from every earlier job of its GPU, world size and
@@ -90,6 +90,8 @@ from supervisor.core.models import (
     Phase,
 )
 from supervisor.judge.policy import BUILTIN_POLICY_DIR, decide, learn, load_policy
+from supervisor.judge.policy import observed as LO
+from supervisor.judge.policy import refusal as LR
 from supervisor.judge.policy.estimate import shape_from_config
 from supervisor.judge.policy.rungs import view_of
 
@@ -352,12 +354,12 @@ def waits_before(case: Case, policy, ov: Overrides, ctx: JobContext) -> int:
 
 
 def run_case(case: Case, policy, start: Overrides | None = None, observations=(), refuse: bool = True) -> dict:
-    """Refuse (learn.infeasible, as the daemon does before attempt 1), then climb from `start`
+    """Refuse (LR.infeasible, as the daemon does before attempt 1), then climb from `start`
     (the job as submitted by default) until a configuration fits; `trail` keeps every attempt
     (overrides, diagnosis or None when it fit, simulated config)."""
     ctx = context_of(case)
     if refuse:
-        why = learn.infeasible(ctx, policy, list(observations))
+        why = LR.infeasible(ctx, policy, list(observations))
         if why:
             return {"fit": False, "failed_escalations": 0, "rungs": [], "refused": True, "reason": why}
     history: list[AttemptRecord] = []
@@ -473,14 +475,14 @@ SIM_HOST_BASE = 2 * GiB  # host RSS of a simulated process besides offloaded sta
 
 
 def observations_of(case: Case, trail) -> list:
-    """What the observation store would hold after one night of `case` (learn.observation on the
+    """What the observation store would hold after one night of `case` (LO.observation on the
     simulator's truth: a fit's true peak, an OOM's diagnosis and the box's RAM)."""
     ctx = context_of(case)
     out = []
     for n, (ov, diag, cfg) in enumerate(trail, 1):
         peak, host, _, _ = true_memory(case, cfg)
-        gpu = None if diag is not None else learn.GpuPeak(peak, peak, case.gpu_gib * GiB, "sim", 1)
-        o = learn.observation(ctx, ov, diag, succeeded=diag is None, peak=gpu,
+        gpu = None if diag is not None else LO.GpuPeak(peak, peak, case.gpu_gib * GiB, "sim", 1)
+        o = LO.observation(ctx, ov, diag, succeeded=diag is None, peak=gpu,
                               peak_rss_bytes=case.host_ram if diag is not None and diag.category == Category.HOST_OOM
                               else host + SIM_HOST_BASE, job=ctx.name, attempt=n, time=float(n))
         if o is not None:
@@ -522,9 +524,9 @@ def learned_figures(policy, scenario: str = "base") -> dict:
     out["without"] = {"cases": len(cases), "first_attempt_fit": round(sum(without_fit) / len(cases), 3),
                       "cost_median": round(statistics.median(without_cost), 3),
                       "cost_p90": round(pct(without_cost, 0.9), 3)}
-    # Refusal at submit (learn.infeasible, no observations): a feasible job refused is a false refusal.
+    # Refusal at submit (LR.infeasible, no observations): a feasible job refused is a false refusal.
     every = list(cases_for(scenario))
-    refused = [(best_feasible(c) is not None, learn.infeasible(context_of(c), policy, [])) for c in every]
+    refused = [(best_feasible(c) is not None, LR.infeasible(context_of(c), policy, [])) for c in every]
     out["refusal"] = {"feasible_refused": sum(1 for f, why in refused if f and why),
                       "infeasible_refused": sum(1 for f, why in refused if not f and why),
                       "infeasible": sum(1 for f, _ in refused if not f)}

@@ -10,7 +10,7 @@ activations by the usual per-layer estimate), so a user can see before the
 night whether the remedies could ever fit. Without those numbers each step
 assumes a plain out-of-memory in a training step.
 
-When the daemon would refuse the job (learn.refusal_bound: no configuration the policy can
+When the daemon would refuse the job (LR.refusal_bound: no configuration the policy can
 reach fits even under the most optimistic credible estimate), it prints the refusal, the
 estimate it was judged on and every configuration's numbers under it.
 """
@@ -35,7 +35,10 @@ from supervisor.core.models import (
     Overrides,
     Phase,
 )
+from supervisor.judge.policy import evidence as LE
 from supervisor.judge.policy import learn
+from supervisor.judge.policy import observed as LO
+from supervisor.judge.policy import refusal as LR
 from supervisor.judge.policy.decide import decide
 from supervisor.judge.policy.estimate import (
     GiB,
@@ -107,7 +110,7 @@ def _numbers(ctx: JobContext, ov: Overrides, shape: ModelShape | None) -> dict[s
 
 
 def build_plan(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None,
-               observations: Sequence[learn.Observation] = (), host_gib: float | None = None) -> list[dict[str, Any]]:
+               observations: Sequence[LO.Observation] = (), host_gib: float | None = None) -> list[dict[str, Any]]:
     ctx = _context(spec, shape, gpu_gib, host_gib)
     history: list[AttemptRecord] = []
     attempt_dir = Path("<attempt_dir>")
@@ -149,20 +152,20 @@ def _learned_numbers(c: learn.Candidate) -> dict[str, Any]:
 
 
 def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None,
-                    observations: Sequence[learn.Observation], host_gib: float | None = None) -> dict[str, Any] | None:
+                    observations: Sequence[LO.Observation], host_gib: float | None = None) -> dict[str, Any] | None:
     """The prediction, the observations it came from and the margin (None without a shape)."""
     ctx = _context(spec, shape, gpu_gib, host_gib)
     pred = learn.predict(ctx, policy, observations)
     if pred is None:
         return None
-    key = learn.memory_key(ctx, Overrides())
+    key = LO.memory_key(ctx, Overrides())
     used = {id(o) for o in (*pred.gpu.basis, *pred.host.basis, *pred.same_kind)}
 
-    def corr(c: learn.Correction) -> dict[str, Any]:
+    def corr(c: LE.Correction) -> dict[str, Any]:
         return {"k": round(c.k, 3), "tier": c.tier, "raised_by_oom": c.bounded_by_oom,
-                "margin": learn.MARGINS.get(c.tier or "", 0.0), "observations": len(c.basis)}
+                "margin": LO.MARGINS.get(c.tier or "", 0.0), "observations": len(c.basis)}
 
-    obs = [{"job": o.job, "attempt": o.attempt, "tier": learn.tier_of(key, o, ctx.name), "outcome": o.outcome,
+    obs = [{"job": o.job, "attempt": o.attempt, "tier": LE.tier_of(key, o, ctx.name), "outcome": o.outcome,
             "config": f"{o.key.get('micro_batch')}x{o.key.get('grad_accum')}",
             "cutoff_len": o.key.get("cutoff_len"), "params": o.key.get("params"),
             "gpu_peak_gib": None if o.gpu_peak is None else round(o.gpu_peak / GiB, 2),
@@ -171,7 +174,7 @@ def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: f
             "predicted_host_gib": None if o.predicted_host is None else round(o.predicted_host / GiB, 2)}
            for o in observations if id(o) in used]
     cands = sorted(pred.candidates, key=lambda c: -c.speed)
-    refusal = learn.refusal_bound(ctx, policy, observations)
+    refusal = LR.refusal_bound(ctx, policy, observations)
     return {"gpu": corr(pred.gpu), "host": corr(pred.host), "fit_headroom": policy.fit_headroom,
             "gpu_limit_gib": None if pred.gpu_limit is None else round(pred.gpu_limit / GiB, 2),
             "host_limit_gib": None if pred.host_limit is None else round(pred.host_limit / GiB, 2),
@@ -288,7 +291,7 @@ def _model_shape(spec: Any, model: str) -> tuple[ModelShape | None, str | None]:
                   f"(or `huggingface-cli download {model} config.json`), then run plan again")
 
 
-def _observations(args: argparse.Namespace, ctx: JobContext) -> list[learn.Observation]:
+def _observations(args: argparse.Namespace, ctx: JobContext) -> list[LO.Observation]:
     """--observations FILE, else the state folder's (cli.cmd_plan sets args.state_root), else none."""
     from supervisor.record import observations as O
 

@@ -31,17 +31,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.core.models import Diagnosis, HostEvidence, JobContext, Overrides
+from supervisor.judge.policy.evidence import GPU_CAPACITY_TOLERANCE
 from supervisor.judge.policy.hostwait import HostWait, host_wait
-from supervisor.judge.policy.learn import (
-    GPU_CAPACITY_TOLERANCE,
+from supervisor.judge.policy.learn import initial_overrides
+from supervisor.judge.policy.observed import (
     GpuPeak,
     Observation,
-    infeasible,
-    initial_overrides,
     memory_key,
     observation,
     parse_peak_file,
 )
+from supervisor.judge.policy.refusal import infeasible
 from supervisor.judge.policy.schema import Policy
 
 if TYPE_CHECKING:

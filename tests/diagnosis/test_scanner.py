@@ -12,9 +12,9 @@ import pytest
 
 from supervisor.core.models import Category, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import LogScanner, diagnose_bytes, diagnose_file
-from supervisor.judge.diagnosis.wording import oom_numbers
 from supervisor.judge.diagnosis.rules import KEYWORDS
 from supervisor.judge.diagnosis.sizes import human, parse_size
+from supervisor.judge.diagnosis.wording import oom_numbers
 from tests.diagnosis.cases import fixture_cases, load_case
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from typing import Any
 
 from supervisor.core.models import Category, Diagnosis, JobContext, Overrides
 from supervisor.judge.policy import BUILTIN_POLICY_DIR, load_policy
-from supervisor.judge.policy import learn as L
+from supervisor.judge.policy import observed as LO
 from supervisor.judge.policy import rungs as R
 
 GiB = 1 << 30
@@ -54,20 +54,20 @@ def host_oom() -> Diagnosis:
     return Diagnosis(Category.HOST_OOM, "DefaultCPUAllocator: can't allocate memory", vendor="cpu")
 
 
-def fit_gpu(ctx: JobContext, ov: Overrides, peak: int, n: int = 1) -> L.Observation:
-    o = L.observation(ctx, ov, None, succeeded=True, peak=L.GpuPeak(peak, peak, ctx.gpu_capacity_bytes,
+def fit_gpu(ctx: JobContext, ov: Overrides, peak: int, n: int = 1) -> LO.Observation:
+    o = LO.observation(ctx, ov, None, succeeded=True, peak=LO.GpuPeak(peak, peak, ctx.gpu_capacity_bytes,
                                                                        "NVIDIA H200", 1),
                       peak_rss_bytes=3 * GiB, job="earlier", attempt=n, time=float(n))
     assert o is not None
     return o
 
 
-def demo_night(ctx: JobContext) -> list[L.Observation]:
+def demo_night(ctx: JobContext) -> list[LO.Observation]:
     """16x1 and 8x2 ran out of host memory, 4x4 fit at 1.32 GiB of 1.91 GiB."""
     limit = ctx.host_memory_limit_bytes
     out = []
     for n, (micro, ok) in enumerate(((16, False), (8, False), (4, True)), 1):
-        o = L.observation(ctx, split(ctx, micro), None if ok else host_oom(), succeeded=ok,
+        o = LO.observation(ctx, split(ctx, micro), None if ok else host_oom(), succeeded=ok,
                           peak_rss_bytes=int(1.32 * GiB) if ok else int(1.7 * GiB), memory_limit_bytes=limit,
                           max_step=30 if ok else 0, job="demo", attempt=n, time=float(n))
         assert o is not None

@@ -8,7 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from supervisor.core.models import Overrides
+from supervisor.judge.policy import evidence as LE
 from supervisor.judge.policy import learn as L
+from supervisor.judge.policy import observed as LO
+from supervisor.judge.policy import refusal as LR
 from supervisor.judge.policy import rungs as R
 
 from .builders import (
@@ -46,20 +49,20 @@ def test_demo_resubmitted_starts_where_it_fit_with_the_reason():
 def test_observation_key_and_outcomes():
     ctx = gpu_job(micro=8, accum=2)
     cap = ctx.gpu_capacity_bytes
-    o = L.observation(ctx, Overrides(), gpu_oom(cap, 23 * GiB, 2 * GiB), succeeded=False)
+    o = LO.observation(ctx, Overrides(), gpu_oom(cap, 23 * GiB, 2 * GiB), succeeded=False)
     assert o.outcome == "gpu_oom" and o.gpu_peak == 25 * GiB  # in use + the failed request: a lower bound
     assert o.key["micro_batch"] == 8 and o.key["grad_accum"] == 2 and o.key["gpu_capacity"] == cap
     assert o.key["hidden_size"] == 896 and o.key["torch"] == "2.9.1" and o.key["grad_checkpointing"] == "on"
-    assert L.observation(ctx, Overrides(), host_oom(), succeeded=False, memory_limit_bytes=GiB).host_peak == GiB
+    assert LO.observation(ctx, Overrides(), host_oom(), succeeded=False, memory_limit_bytes=GiB).host_peak == GiB
     # Trained past its start without an OOM: a fit, even though it ended otherwise later.
-    peak = L.GpuPeak(20 * GiB, 18 * GiB, cap, "H200", 1)
-    assert L.observation(ctx, Overrides(), None, succeeded=False, max_step=40, resumed_from_step=10,
+    peak = LO.GpuPeak(20 * GiB, 18 * GiB, cap, "H200", 1)
+    assert LO.observation(ctx, Overrides(), None, succeeded=False, max_step=40, resumed_from_step=10,
                          peak=peak).outcome == "fit"
     # No step, no OOM (a config error at start): nothing to learn; a GPU fit without its peak neither.
-    assert L.observation(ctx, Overrides(), None, succeeded=False, max_step=10, resumed_from_step=10) is None
-    assert L.observation(ctx, Overrides(), None, succeeded=True) is None
+    assert LO.observation(ctx, Overrides(), None, succeeded=False, max_step=10, resumed_from_step=10) is None
+    assert LO.observation(ctx, Overrides(), None, succeeded=True) is None
     # Unknown model shape: no key to learn under.
-    assert L.observation(dataclasses.replace(ctx, model_shape=None), Overrides(), None, succeeded=True,
+    assert LO.observation(dataclasses.replace(ctx, model_shape=None), Overrides(), None, succeeded=True,
                          peak=peak) is None
 
 
@@ -67,30 +70,30 @@ def test_correction_lowers_an_over_prediction_and_starts_higher():
     """The estimator over-predicts; a fit observed at 60% of its prediction lets the next run keep
     a larger micro-batch than the estimator alone would allow."""
     ctx = gpu_job(micro=16)
-    pred = {m: L.predict_gpu(ctx, split(ctx, m)) for m in (16, 8, 4)}
+    pred = {m: LO.predict_gpu(ctx, split(ctx, m)) for m in (16, 8, 4)}
     limit = ctx.gpu_capacity_bytes * (1 - POLICY.fit_headroom)
     assert pred[8] > limit  # the estimator alone: 8 would not fit
     obs = [fit_gpu(ctx, split(ctx, 4), int(0.6 * pred[4]))]
-    c = L.correction(L.memory_key(ctx, Overrides()), obs, "gpu")
+    c = LE.correction(LO.memory_key(ctx, Overrides()), obs, "gpu")
     # The correction scales what the estimator guesses (activations, overhead), not DeepSpeed's states.
-    states = L.predict_gpu_states(ctx, split(ctx, 4))
+    states = LO.predict_gpu_states(ctx, split(ctx, 4))
     k = (0.6 * pred[4] - states) / (pred[4] - states)
     assert abs(c.k - k) < 1e-3 and c.k < 0.6 and c.tier == "same_kind"
     ov, reason = L.initial_overrides(ctx, POLICY, obs)
     chosen = R.view_of(ctx, ov).micro
-    need = L.corrected_gpu(pred[chosen], L.predict_gpu_states(ctx, split(ctx, chosen)), c.k)
+    need = LO.corrected_gpu(pred[chosen], LO.predict_gpu_states(ctx, split(ctx, chosen)), c.k)
     assert need * 1.05 <= limit and chosen >= 8
     assert f"activations and overhead x{c.k:.2f}, margin 5%" in reason
 
 
 def test_oom_raises_the_correction():
     ctx = gpu_job(micro=16)
-    pred4 = L.predict_gpu(ctx, split(ctx, 4))
-    pred8 = L.predict_gpu(ctx, split(ctx, 8))
+    pred4 = LO.predict_gpu(ctx, split(ctx, 4))
+    pred8 = LO.predict_gpu(ctx, split(ctx, 8))
     cap = ctx.gpu_capacity_bytes
     obs = [fit_gpu(ctx, split(ctx, 4), int(0.5 * pred4)),
-           L.observation(ctx, split(ctx, 8), gpu_oom(cap, cap - GiB // 4, int(0.1 * pred8)), succeeded=False)]
-    c = L.correction(L.memory_key(ctx, Overrides()), obs, "gpu")
+           LO.observation(ctx, split(ctx, 8), gpu_oom(cap, cap - GiB // 4, int(0.1 * pred8)), succeeded=False)]
+    c = LE.correction(LO.memory_key(ctx, Overrides()), obs, "gpu")
     assert c.bounded_by_oom and c.k > 0.5
     ov, _ = L.initial_overrides(ctx, POLICY, obs)
     assert R.view_of(ctx, ov).micro != 8  # the configuration that ran out is never the start
@@ -98,17 +101,17 @@ def test_oom_raises_the_correction():
 
 def test_other_sequence_length_and_sibling_scale_by_the_estimator():
     short = gpu_job(cutoff=1024)
-    obs = [fit_gpu(short, split(short, 4), int(0.8 * L.predict_gpu(short, split(short, 4))))]
+    obs = [fit_gpu(short, split(short, 4), int(0.8 * LO.predict_gpu(short, split(short, 4))))]
     long = gpu_job(cutoff=4096)
-    c = L.correction(L.memory_key(long, Overrides()), obs, "gpu")
-    assert c.tier == "other_seq" and abs(c.k - L.observed_ratio(obs[0], "gpu")) < 1e-9 and c.k < 0.8
+    c = LE.correction(LO.memory_key(long, Overrides()), obs, "gpu")
+    assert c.tier == "other_seq" and abs(c.k - LE.observed_ratio(obs[0], "gpu")) < 1e-9 and c.k < 0.8
     _, reason = L.initial_overrides(long, POLICY, obs)
     assert reason.startswith("learned: 1 attempt of the same model at another cutoff_len") and "margin 5%" in reason
     big = gpu_job(params=2 * PARAMS, shape={**SHAPE,
                                                  "num_layers": 48})
-    assert L.correction(L.memory_key(big, Overrides()), obs, "gpu").tier == "sibling"
+    assert LE.correction(LO.memory_key(big, Overrides()), obs, "gpu").tier == "sibling"
     other_vocab = gpu_job(shape={"hidden_size": 896, "num_layers": 24, "vocab_size": 32000})
-    assert L.correction(L.memory_key(other_vocab, Overrides()), obs, "gpu").tier is None
+    assert LE.correction(LO.memory_key(other_vocab, Overrides()), obs, "gpu").tier is None
 
 
 def test_user_config_known_to_fit_is_never_changed():
@@ -123,11 +126,11 @@ def test_infeasible_refuses_with_numbers_and_passes_what_fits():
     huge = dataclasses.replace(gpu_job(params=70_000_000_000, shape={"hidden_size": 8192, "num_layers": 80,
                                                                      "vocab_size": 128256}),
                                largest_layer_params=1_050_000_000, host_ram_bytes=64 * GiB)
-    why = L.infeasible(huge, POLICY, [])
+    why = LR.infeasible(huge, POLICY, [])
     assert why is not None and "cannot run on this box" in why and "of the 24.00 GiB GPU" in why
     assert "host RAM" in why and "the estimator alone" in why
-    assert L.infeasible(gpu_job(), POLICY, []) is None
-    assert L.infeasible(cpu_job(), POLICY, demo_night(cpu_job())) is None
+    assert LR.infeasible(gpu_job(), POLICY, []) is None
+    assert LR.infeasible(cpu_job(), POLICY, demo_night(cpu_job())) is None
 
 
 def test_peak_file_parse_takes_the_worst_device():
@@ -136,9 +139,9 @@ def test_peak_file_parse_takes_the_worst_device():
                            "max_reserved_bytes": 60}]},
         "2": {"devices": [{"index": 1, "name": "A", "total_bytes": 100, "max_allocated_bytes": 70,
                            "max_reserved_bytes": 80}, {"index": 2, "bogus": 1}]}}}
-    p = L.parse_peak_file(data)
+    p = LO.parse_peak_file(data)
     assert (p.max_reserved, p.max_allocated, p.total, p.devices) == (80, 70, 100, 2)
-    assert L.parse_peak_file({"processes": {}}) is None and L.parse_peak_file([1]) is None
+    assert LO.parse_peak_file({"processes": {}}) is None and LO.parse_peak_file([1]) is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -149,10 +152,10 @@ def test_property_effective_batch_kept_and_start_predicted_to_fit(micro, accum, 
     options = [micro, *R.micro_batch_options(ctx, Overrides(), POLICY)]
     seen = options[seen_micro_pick % len(options)]
     ov_seen = split(ctx, seen)
-    obs = [fit_gpu(ctx, ov_seen, int(ratio * L.predict_gpu(ctx, ov_seen)))]
+    obs = [fit_gpu(ctx, ov_seen, int(ratio * LO.predict_gpu(ctx, ov_seen)))]
     if oom and seen != micro:
         cap = ctx.gpu_capacity_bytes
-        obs.append(L.observation(ctx, Overrides(), gpu_oom(cap, cap - GiB, 2 * GiB), succeeded=False))
+        obs.append(LO.observation(ctx, Overrides(), gpu_oom(cap, cap - GiB, 2 * GiB), succeeded=False))
     ov, reason = L.initial_overrides(ctx, POLICY, obs)
     v = R.view_of(ctx, ov)
     assert v.micro * v.accum == micro * accum  # the user's effective batch, exactly
@@ -173,7 +176,7 @@ def test_an_observed_fit_above_the_headroom_is_still_trusted():
     judged against capacity x (1 - fit_headroom) like a prediction and skipped for a slower one."""
     ctx = gpu_job(micro=8, accum=2)
     cap = ctx.gpu_capacity_bytes
-    obs = [L.observation(ctx, Overrides(), gpu_oom(cap, cap - GiB // 2, 2 * GiB), succeeded=False),
+    obs = [LO.observation(ctx, Overrides(), gpu_oom(cap, cap - GiB // 2, 2 * GiB), succeeded=False),
            fit_gpu(ctx, split(ctx, 4), int(0.99 * cap), n=2)]
     ov, reason = L.initial_overrides(ctx, POLICY, obs)
     assert ov == split(ctx, 4) and reason.endswith("starting at 4x4 (observed to fit)")
@@ -185,14 +188,14 @@ def test_a_ratio_is_extrapolated_to_another_setup_only_with_more_margin():
     mode under the same ZeRO setup: the ratio with SETUP_MARGIN more; another ZeRO/offload setup:
     no ratio at all (issue 16, case 8), the estimator with SETUP_MARGIN."""
     ctx = gpu_job(micro=8, accum=2)
-    obs = [fit_gpu(ctx, split(ctx, 4), int(0.9 * L.predict_gpu(ctx, split(ctx, 4))))]
+    obs = [fit_gpu(ctx, split(ctx, 4), int(0.9 * LO.predict_gpu(ctx, split(ctx, 4))))]
     pred = L.predict(ctx, POLICY, obs)
     plain = next(c for c in pred.candidates if c.overrides == split(ctx, 2))
     host_gc = next(c for c in pred.candidates if c.label == "2x8 + checkpoints in host RAM")
     zero3 = next(c for c in pred.candidates if "ZeRO-3" in c.label)
-    assert plain.margin == L.MARGINS["same_kind"]
-    assert host_gc.margin == L.MARGINS["same_kind"] + L.SETUP_MARGIN and host_gc.k == plain.k < 1
-    assert zero3.margin == L.SETUP_MARGIN and zero3.k == 1.0
+    assert plain.margin == LO.MARGINS["same_kind"]
+    assert host_gc.margin == LO.MARGINS["same_kind"] + LO.SETUP_MARGIN and host_gc.k == plain.k < 1
+    assert zero3.margin == LO.SETUP_MARGIN and zero3.k == 1.0
 
 
 def test_host_use_without_offload_does_not_inflate_offload_or_refuse_the_job():
@@ -201,12 +204,12 @@ def test_host_use_without_offload_does_not_inflate_offload_or_refuse_the_job():
     ctx = dataclasses.replace(gpu_job(micro=8, accum=2, params=8_000_000_000,
                                       shape={"hidden_size": 4096, "num_layers": 32, "vocab_size": 128256}),
                               largest_layer_params=525_000_000, host_ram_bytes=256 * GiB)
-    seen = L.observation(ctx, split(ctx, 1), None, succeeded=True, peak=L.GpuPeak(20 * GiB, 19 * GiB, None, None, 1),
+    seen = LO.observation(ctx, split(ctx, 1), None, succeeded=True, peak=LO.GpuPeak(20 * GiB, 19 * GiB, None, None, 1),
                          peak_rss_bytes=6 * GiB)
     pred = L.predict(ctx, POLICY, [seen])
     offload = next(c for c in pred.candidates if "ZeRO-3" in c.label)
-    assert offload.host_need == L.predict_host(ctx, offload.overrides)
-    assert L.infeasible(ctx, POLICY, [seen]) is None
+    assert offload.host_need == LO.predict_host(ctx, offload.overrides)
+    assert LR.infeasible(ctx, POLICY, [seen]) is None
 
 
 def test_offload_host_need_from_the_estimator_alone_gets_no_learned_margin():
@@ -216,9 +219,9 @@ def test_offload_host_need_from_the_estimator_alone_gets_no_learned_margin():
                    shape={"hidden_size": 4096, "num_layers": 32, "vocab_size": 128256})
     base = dataclasses.replace(base, largest_layer_params=525_000_000)
     off = R.zero3_offload_param(base, Overrides(), host_oom(), POLICY, R.Memory())
-    host = L.predict_host(base, off.overrides)
+    host = LO.predict_host(base, off.overrides)
     ctx = dataclasses.replace(base, host_ram_bytes=int(host * 1.03 / (0.95 * 0.9)))
-    seen = L.observation(ctx, split(ctx, 1), None, succeeded=True, peak=L.GpuPeak(20 * GiB, 19 * GiB, None, None, 1),
+    seen = LO.observation(ctx, split(ctx, 1), None, succeeded=True, peak=LO.GpuPeak(20 * GiB, 19 * GiB, None, None, 1),
                          peak_rss_bytes=6 * GiB)
     pred = L.predict(ctx, POLICY, [seen])
     c = next(c for c in pred.candidates if c.overrides == off.overrides)
@@ -252,7 +255,7 @@ def test_a_small_gpu_job_under_a_tight_host_limit_is_not_refused_on_a_guess():
     ctx = dataclasses.replace(gpu_job(params=5_000_000, shape={"hidden_size": 256, "num_layers": 4,
                                                                "vocab_size": 4000}),
                               largest_layer_params=1_000_000, host_memory_limit_bytes=int(1.91 * GiB))
-    assert L.infeasible(ctx, POLICY, []) is None
+    assert LR.infeasible(ctx, POLICY, []) is None
 
 
 def test_an_oom_caused_by_other_processes_memory_is_not_the_configurations():
@@ -262,7 +265,7 @@ def test_an_oom_caused_by_other_processes_memory_is_not_the_configurations():
     cap = ctx.gpu_capacity_bytes
     d = gpu_oom(cap, cap - GiB // 4, 2 * GiB)
     d = dataclasses.replace(d, numbers={**d.numbers, "held_by_others": 14 * GiB})
-    assert L.observation(ctx, Overrides(), d, succeeded=False) is None
+    assert LO.observation(ctx, Overrides(), d, succeeded=False) is None
 
 
 @settings(max_examples=80, deadline=None)
@@ -270,20 +273,20 @@ def test_an_oom_caused_by_other_processes_memory_is_not_the_configurations():
        oom_ratios=st.lists(st.floats(0.2, 3.0), min_size=0, max_size=3), extra=st.floats(0.2, 3.0))
 def test_property_an_oom_never_lowers_the_correction_and_fits_set_it_both_ways(fit_ratios, oom_ratios, extra):
     ctx = gpu_job(micro=8, accum=2)
-    key = L.memory_key(ctx, Overrides())
+    key = LO.memory_key(ctx, Overrides())
     ov = split(ctx, 4)
-    pred = L.predict_gpu(ctx, ov)
+    pred = LO.predict_gpu(ctx, ov)
 
     def oom_obs(r):
         return dataclasses.replace(fit_gpu(ctx, ov, int(r * pred)), outcome="gpu_oom")
 
     obs = [fit_gpu(ctx, ov, int(r * pred)) for r in fit_ratios] + [oom_obs(r) for r in oom_ratios]
-    k = L.correction(key, obs, "gpu").k
-    assert L.correction(key, [*obs, oom_obs(extra)], "gpu").k >= k - 1e-9
+    k = LE.correction(key, obs, "gpu").k
+    assert LE.correction(key, [*obs, oom_obs(extra)], "gpu").k >= k - 1e-9
     if fit_ratios:
         # Fits alone set k exactly (below 1 too: the estimator over-predicted); OOMs can only raise it,
         # unless fits of their own configuration outweigh them (OOM_ODDS to 1).
-        heard = [o for o in obs if id(o) not in L.outweighed(obs)]
-        assert abs(k - max(L.observed_ratio(o, "gpu") for o in heard)) < 1e-9
+        heard = [o for o in obs if id(o) not in LE.outweighed(obs)]
+        assert abs(k - max(LE.observed_ratio(o, "gpu") for o in heard)) < 1e-9
     else:
         assert k >= 1.0

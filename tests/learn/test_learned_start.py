@@ -7,7 +7,9 @@ import dataclasses
 
 from supervisor.core.models import Category, Diagnosis, JobContext, Overrides
 from supervisor.judge.policy import BUILTIN_POLICY_DIR, load_policy
+from supervisor.judge.policy import evidence as LE
 from supervisor.judge.policy import learn as L
+from supervisor.judge.policy import observed as LO
 from supervisor.judge.policy import rungs as R
 from supervisor.judge.policy import search as S
 
@@ -23,7 +25,7 @@ def test_a_learned_start_only_takes_configurations_the_jobs_own_policy_allows():
     started at 4x4 because of it."""
     ctx = gpu_job(micro=16)
     cap = ctx.gpu_capacity_bytes
-    learned = [L.observation(ctx, Overrides(), gpu_oom(cap, cap - GiB // 4, 2 * GiB), succeeded=False,
+    learned = [LO.observation(ctx, Overrides(), gpu_oom(cap, cap - GiB // 4, 2 * GiB), succeeded=False,
                              job="default-job", attempt=1, time=1.0),
                dataclasses.replace(fit_gpu(ctx, split(ctx, 4), int(0.8 * cap), n=2), job="default-job")]
     assert R.view_of(ctx, L.initial_overrides(ctx, POLICY, learned)[0]).micro == 4  # its own policy allows it
@@ -43,12 +45,12 @@ def test_one_oom_among_many_fits_does_not_mark_the_configuration_oom():
     ctx = gpu_job(micro=16)
     cap = ctx.gpu_capacity_bytes
     fits = [dataclasses.replace(fit_gpu(ctx, split(ctx, 4), int(0.93 * cap), n=n), job=f"j{n}") for n in (1, 2, 3)]
-    oom = L.observation(ctx, split(ctx, 4), gpu_oom(cap, cap - GiB // 4, 2 * GiB), succeeded=False, job="j4",
+    oom = LO.observation(ctx, split(ctx, 4), gpu_oom(cap, cap - GiB // 4, 2 * GiB), succeeded=False, job="j4",
                         attempt=1, time=4.0)
     ov, reason = L.initial_overrides(ctx, POLICY, [*fits, oom])
     assert ov == split(ctx, 4) and reason.endswith("starting at 4x4 (observed to fit)"), reason
-    key = L.memory_key(ctx, Overrides())
-    assert L.correction(key, [*fits, oom], "gpu").k == L.correction(key, fits, "gpu").k
+    key = LO.memory_key(ctx, Overrides())
+    assert LE.correction(key, [*fits, oom], "gpu").k == LE.correction(key, fits, "gpu").k
     # One fit against one OOM is a coin toss: not a start.
     assert L.initial_overrides(ctx, POLICY, [fits[0], oom])[0] != split(ctx, 4)
 
@@ -58,11 +60,11 @@ def test_an_oom_without_numbers_or_peak_file_records_no_peak():
     the peak, which raised the correction of every candidate of the kind on a guess."""
     ctx = gpu_job(micro=8, accum=2)
     bare = Diagnosis(Category.GPU_OOM, "HIP error: out of memory", vendor="hip")
-    o = L.observation(ctx, Overrides(), bare, succeeded=False, peak=None, job="x")
+    o = LO.observation(ctx, Overrides(), bare, succeeded=False, peak=None, job="x")
     assert o.outcome == "gpu_oom" and o.gpu_peak is None
-    fit = fit_gpu(ctx, split(ctx, 2), int(0.5 * L.predict_gpu(ctx, split(ctx, 2))))
-    key = L.memory_key(ctx, Overrides())
-    assert L.correction(key, [fit, o], "gpu").k == L.correction(key, [fit], "gpu").k
+    fit = fit_gpu(ctx, split(ctx, 2), int(0.5 * LO.predict_gpu(ctx, split(ctx, 2))))
+    key = LO.memory_key(ctx, Overrides())
+    assert LE.correction(key, [fit, o], "gpu").k == LE.correction(key, [fit], "gpu").k
     # It still says the configuration did not fit: never the start.
     assert L.initial_overrides(ctx, POLICY, [fit, o])[0] != Overrides()
 
@@ -75,9 +77,9 @@ def test_dataset_token_lengths_size_activations_and_the_key():
     v = R.view_of(short, Overrides())
     assert S.seq_len(short, v) == 600 and S.seq_len(long, v) == 4096
     assert S.base_need(short, Overrides()) < S.base_need(long, Overrides())
-    ks, kl = L.memory_key(short, Overrides()), L.memory_key(long, Overrides())
+    ks, kl = LO.memory_key(short, Overrides()), LO.memory_key(long, Overrides())
     assert (ks["seq_len"], ks["data_p95_tokens"], kl["seq_len"]) == (600, 420, 4096)
-    assert L.tier(ks, kl) == "other_seq" and L.tier(ks, ks) == "same_kind"
+    assert LE.tier(ks, kl) == "other_seq" and LE.tier(ks, ks) == "same_kind"
     # Packed samples fill cutoff_len whatever the data (stage pt packs by default).
     packed = dataclasses.replace(short, config={**short.config, "stage": "pt"})
     assert S.seq_len(packed, R.view_of(packed, Overrides())) == 4096
@@ -107,9 +109,9 @@ def test_a_sibling_that_ended_at_parameter_offload_does_not_start_this_job_there
     load_oom = Diagnosis(Category.GPU_OOM, "HIP out of memory", vendor="hip",
                          numbers={"total_capacity": cap, "free": 322_122_547, "tried_to_allocate": 3_114_270_720})
     off = R.zero3_offload_param(big, Overrides(), load_oom, POLICY, R.Memory())
-    night = [L.observation(big, Overrides(), load_oom, succeeded=False, job="32b", attempt=1, time=1.0),
-             L.observation(big, off.overrides, None, succeeded=True, job="32b", attempt=2, time=2.0,
-                           peak=L.GpuPeak(34_551_418_060, 34_000_000_000, cap, "sim", 1))]
+    night = [LO.observation(big, Overrides(), load_oom, succeeded=False, job="32b", attempt=1, time=1.0),
+             LO.observation(big, off.overrides, None, succeeded=True, job="32b", attempt=2, time=2.0,
+                           peak=LO.GpuPeak(34_551_418_060, 34_000_000_000, cap, "sim", 1))]
     pred = L.predict(small, POLICY, night)
     chosen = pred.chosen
     assert chosen is not None and "parameter" not in chosen.label, chosen.label
@@ -118,12 +120,12 @@ def test_a_sibling_that_ended_at_parameter_offload_does_not_start_this_job_there
     assert all(c.speed <= chosen.speed for c in pred.candidates if c.fits)
     # Under parameter offload the sibling's own ratio still applies (same setup, sibling margin).
     p = next(c for c in pred.candidates if c.label == "8x2 + ZeRO-3 parameter+optimizer offload")
-    assert p.margin == L.MARGINS["sibling"] and p.k == L.observed_ratio(night[1], "gpu")
+    assert p.margin == LO.MARGINS["sibling"] and p.k == LE.observed_ratio(night[1], "gpu")
 
 
 def test_a_configuration_seen_to_fit_is_not_preferred_over_a_faster_one_predicted_to_fit():
     ctx = gpu_job(micro=16, cap_gib=40)
-    seen = fit_gpu(ctx, split(ctx, 2), int(0.5 * L.predict_gpu(ctx, split(ctx, 2))))
+    seen = fit_gpu(ctx, split(ctx, 2), int(0.5 * LO.predict_gpu(ctx, split(ctx, 2))))
     pred = L.predict(ctx, POLICY, [seen])
     observed = next(c for c in pred.candidates if c.source == "observed")
     assert pred.chosen.speed > observed.speed and pred.chosen.source == "predicted"
@@ -137,7 +139,7 @@ def test_a_kind_that_ran_out_outside_pytorchs_allocator_keeps_room_for_it():
     ctx = gpu_job(micro=8, accum=2)
     cap = ctx.gpu_capacity_bytes
     cublas = Diagnosis(Category.GPU_OOM, "CUBLAS_STATUS_ALLOC_FAILED", vendor="cuda", subkind="cublas")
-    night = [L.observation(ctx, Overrides(), cublas, succeeded=False, job="earlier", attempt=1, time=1.0),
+    night = [LO.observation(ctx, Overrides(), cublas, succeeded=False, job="earlier", attempt=1, time=1.0),
              fit_gpu(ctx, split(ctx, 2), int(0.5 * cap), n=2)]
     assert night[0].gpu_peak is None and night[0].extra["outside_pytorch"]
     pred = L.predict(ctx, POLICY, night)

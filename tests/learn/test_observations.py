@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 from supervisor.core.models import Overrides
+from supervisor.judge.policy import evidence as LE
 from supervisor.judge.policy import learn as L
+from supervisor.judge.policy import observed as LO
 from supervisor.judge.policy import rungs as R
 from supervisor.record import observations as O
 
@@ -69,8 +71,8 @@ def test_store_is_bounded_oldest_dropped(tmp_path):
     ctx = gpu_job()
     with O.ObservationStore(tmp_path / "o.sqlite3", max_rows=50) as store:
         for n in range(120):
-            store.add(L.observation(ctx, split(ctx, 4), None, succeeded=True, job=f"j{n}", attempt=n,
-                                    peak=L.GpuPeak(GiB, GiB, None, None, 1)))
+            store.add(LO.observation(ctx, split(ctx, 4), None, succeeded=True, job=f"j{n}", attempt=n,
+                                    peak=LO.GpuPeak(GiB, GiB, None, None, 1)))
         assert store.count() == 50
         assert [o.job for o in store.all()][:2] == ["j70", "j71"]
     rows = sqlite3.connect(tmp_path / "o.sqlite3").execute("SELECT min(id), max(id) FROM observations").fetchone()
@@ -80,8 +82,8 @@ def test_store_is_bounded_oldest_dropped(tmp_path):
 def test_similar_filters_by_gpu_world_and_finetuning(tmp_path):
     a, b = gpu_job(), gpu_job(cap_gib=80)
     with O.ObservationStore(tmp_path / O.FILE_NAME) as store:
-        store.add(L.observation(a, Overrides(), None, succeeded=True, peak=L.GpuPeak(GiB, GiB, None, None, 1)))
-        store.add(L.observation(b, Overrides(), None, succeeded=True, peak=L.GpuPeak(GiB, GiB, None, None, 1)))
+        store.add(LO.observation(a, Overrides(), None, succeeded=True, peak=LO.GpuPeak(GiB, GiB, None, None, 1)))
+        store.add(LO.observation(b, Overrides(), None, succeeded=True, peak=LO.GpuPeak(GiB, GiB, None, None, 1)))
         # A row another version wrote that this one cannot read is skipped, never an error.
         store._db.execute("INSERT INTO observations (time, job, attempt, outcome, finetuning_type, gpu_capacity,"
                           " world_size, body) VALUES (0, 'x', 1, 'fit', 'full', ?, 1, '{\"bogus\": 1}')",
@@ -123,10 +125,10 @@ def test_the_same_gpu_probed_a_little_differently_is_one_kind(tmp_path):
     --gpu-memory 80 and the daemon's probed 79.6 GiB must find the same observations."""
     probed, said = gpu_job(cap_gib=79.6), gpu_job(cap_gib=80)
     with O.ObservationStore(tmp_path / O.FILE_NAME) as store:
-        store.add(L.observation(probed, split(probed, 4), None, succeeded=True,
-                                peak=L.GpuPeak(30 * GiB, 29 * GiB, None, None, 1)))
+        store.add(LO.observation(probed, split(probed, 4), None, succeeded=True,
+                                peak=LO.GpuPeak(30 * GiB, 29 * GiB, None, None, 1)))
         assert len(store.similar(said)) == 1 and len(store.similar(gpu_job(cap_gib=94))) == 0
-        assert L.tier(L.memory_key(said, Overrides()), store.similar(said)[0].key) == "same_kind"
+        assert LE.tier(LO.memory_key(said, Overrides()), store.similar(said)[0].key) == "same_kind"
 
 
 DEMO_MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 688, "vocab_size": 900,

@@ -8,7 +8,7 @@ import sys
 
 from supervisor.cli import plan
 from supervisor.intake.jobspec import parse_job_text
-from supervisor.judge.policy import learn as L
+from supervisor.judge.policy import observed as LO
 from supervisor.judge.policy.estimate import read_model_shape
 from supervisor.record import observations as O
 
@@ -59,7 +59,7 @@ def test_plan_shows_prediction_observations_and_margin(tmp_path):
     limit = ctx.host_memory_limit_bytes
     with O.ObservationStore.in_state(state) as store:
         for n, (micro, ok) in enumerate(((16, False), (8, False), (4, True)), 1):
-            store.add(L.observation(ctx, split(ctx, micro), None if ok else host_oom(), succeeded=ok,
+            store.add(LO.observation(ctx, split(ctx, micro), None if ok else host_oom(), succeeded=ok,
                                     peak_rss_bytes=int(1.32 * GiB), memory_limit_bytes=limit, max_step=30,
                                     job="demo-like", attempt=n, time=float(n)))
     res = _cli(str(job), "--state-dir", str(state))

@@ -9,6 +9,8 @@ import pytest
 
 from supervisor.core.models import Overrides
 from supervisor.judge.policy import learn as L
+from supervisor.judge.policy import observed as LO
+from supervisor.judge.policy import refusal as LR
 from supervisor.judge.policy import rungs as R
 from supervisor.judge.policy.estimate import shape_from_config
 
@@ -37,7 +39,7 @@ def test_a_70b_full_finetune_the_box_can_hold_with_parameter_offload_is_not_refu
     x its 1.5 buffer) over the ~1620 GiB budget of an 1800 GiB box; without the buffer it needs
     ~1183 GiB: possible, so it is tried and what it really uses is learned."""
     ctx = job_of(LLAMA3_70B, gpu_gib=gpu, host_gib=1800)
-    assert L.infeasible(ctx, POLICY, []) is None
+    assert LR.infeasible(ctx, POLICY, []) is None
     # and the climb can reach it: the rung is the last resort, not skipped as impossible
     off = R.zero3_offload_param(ctx, Overrides(), None, POLICY, R.Memory(), host_check="possible")
     assert isinstance(off, R.Applied) and "tried, and what it really uses is learned" in off.what
@@ -45,10 +47,10 @@ def test_a_70b_full_finetune_the_box_can_hold_with_parameter_offload_is_not_refu
 
 def test_a_refusal_names_the_optimistic_bound_and_its_numbers():
     ctx = job_of(LLAMA3_70B, gpu_gib=24, host_gib=1024)
-    assert "DeepSpeed's estimate_zero3_model_states_mem_needs_all_cold without" in L.infeasible(ctx, POLICY, [])
+    assert "DeepSpeed's estimate_zero3_model_states_mem_needs_all_cold without" in LR.infeasible(ctx, POLICY, [])
     from supervisor.judge.policy.estimate import OPTIMISTIC_NAME
 
-    r = L.refusal_bound(ctx, POLICY, [])
+    r = LR.refusal_bound(ctx, POLICY, [])
     assert r is not None and r.estimate == OPTIMISTIC_NAME
     assert "estimate_zero3_model_states_mem_needs_all_cold without its additional_buffer_factor" in r.text
     need = 18 * ctx.param_count  # parameters and optimizer offloaded, no buffer factor
@@ -65,7 +67,7 @@ def test_the_optimistic_bound_is_deepspeeds_own_estimator_without_its_buffer():
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     ctx = job_of(LLAMA3_70B, gpu_gib=24, host_gib=1024)
-    r = L.refusal_bound(ctx, POLICY, [])
+    r = LR.refusal_bound(ctx, POLICY, [])
     for b in r.bounds:
         if "ZeRO-3" not in b.label:
             continue
@@ -77,10 +79,10 @@ def test_the_optimistic_bound_is_deepspeeds_own_estimator_without_its_buffer():
 
 def test_an_observed_fit_or_a_small_job_is_never_refused():
     ctx = job_of(LLAMA3_70B, gpu_gib=24, host_gib=1024)
-    seen = L.observation(ctx, Overrides(), None, succeeded=True, peak=L.GpuPeak(20 * GiB, 19 * GiB, None, None, 1),
+    seen = LO.observation(ctx, Overrides(), None, succeeded=True, peak=LO.GpuPeak(20 * GiB, 19 * GiB, None, None, 1),
                          job="earlier")
-    assert L.infeasible(ctx, POLICY, [seen]) is None  # it ran here: whatever the estimate says
-    assert L.infeasible(gpu_job(), POLICY, []) is None
+    assert LR.infeasible(ctx, POLICY, [seen]) is None  # it ran here: whatever the estimate says
+    assert LR.infeasible(gpu_job(), POLICY, []) is None
 
 
 # --- case 6: memory others hold is weather ------------------------------------------------------
@@ -90,8 +92,8 @@ def test_host_ram_others_hold_never_refuses_the_job():
     for good while other processes held 300 GiB (optimizer offload's ~180 GiB over a ~161 GiB budget)."""
     idle = job_of(LLAMA3_8B, gpu_gib=80, host_gib=512)
     busy = dataclasses.replace(idle, host_used_by_others_bytes=300 * GiB)
-    assert L.infeasible(idle, POLICY, []) is None
-    assert L.infeasible(busy, POLICY, []) is None
+    assert LR.infeasible(idle, POLICY, []) is None
+    assert LR.infeasible(busy, POLICY, []) is None
     # ... nor changes what it starts at or which remedy it gets
     assert L.initial_overrides(busy, POLICY, []) == L.initial_overrides(idle, POLICY, [])
     assert R.host_budget(busy, POLICY) == R.host_budget(idle, POLICY) == int(512 * GiB * 0.9)
@@ -107,7 +109,7 @@ def test_host_ram_others_hold_is_waited_for_bounded_then_the_attempt_starts_unch
     assert host_wait(idle, POLICY, off.overrides) is None  # nobody else: nothing to wait for
     assert host_wait(busy, POLICY, Overrides()) is None  # no offload: ~2 GiB fits what is left
     w = host_wait(busy, POLICY, off.overrides, waited_s=0)
-    need = L.predict_host(idle, off.overrides)
+    need = LO.predict_host(idle, off.overrides)
     assert w.wait and w.need == need and w.others == 300 * GiB and w.available == int(512 * GiB * 0.9) - 300 * GiB
     assert w.retry_in_s == POLICY.host_wait_poll_s and w.max_wait_s == POLICY.host_wait_max_s
     assert "other processes hold 300 GiB of the box's 512 GiB host RAM" in w.reason
@@ -124,8 +126,8 @@ def test_host_wait_uses_what_the_configuration_was_seen_to_use():
 
     idle = job_of(LLAMA3_8B, gpu_gib=80, host_gib=512)
     off = R.zero3_offload_optimizer(idle, Overrides(), None, POLICY, R.Memory())
-    seen = L.observation(idle, off.overrides, None, succeeded=True,
-                         peak=L.GpuPeak(60 * GiB, 58 * GiB, None, None, 1), peak_rss_bytes=140 * GiB, job="j")
+    seen = LO.observation(idle, off.overrides, None, succeeded=True,
+                         peak=LO.GpuPeak(60 * GiB, 58 * GiB, None, None, 1), peak_rss_bytes=140 * GiB, job="j")
     busy = dataclasses.replace(idle, host_used_by_others_bytes=300 * GiB)
     w = host_wait(busy, POLICY, off.overrides, observations=[seen])
     assert w is None  # it used 140 GiB; 161 GiB are free
@@ -144,11 +146,11 @@ def test_a_host_oom_while_others_held_memory_never_turns_into_a_refusal():
     conservative = load_policy("conservative", search_dirs=[BUILTIN_POLICY_DIR])
     ctx = job_of(LLAMA3_70B, gpu_gib=24, host_gib=1800)
     off = R.zero3_offload_param(ctx, Overrides(), None, conservative, R.Memory(), host_check="possible")
-    weather = L.observation(ctx, off.overrides, host_oom(), succeeded=False, peak_rss_bytes=1400 * GiB, job="earlier")
-    assert L.infeasible(ctx, conservative, []) is None
-    assert L.infeasible(ctx, conservative, [weather]) is None
+    weather = LO.observation(ctx, off.overrides, host_oom(), succeeded=False, peak_rss_bytes=1400 * GiB, job="earlier")
+    assert LR.infeasible(ctx, conservative, []) is None
+    assert LR.infeasible(ctx, conservative, [weather]) is None
     beyond = dataclasses.replace(weather, host_peak=1900 * GiB)
-    refused = L.infeasible(ctx, conservative, [beyond])
+    refused = LR.infeasible(ctx, conservative, [beyond])
     assert refused is not None and "1 of them ran out of memory here beyond the capacity" in refused
 
 
@@ -162,7 +164,7 @@ def test_a_job_that_would_not_fit_an_empty_box_is_not_kept_waiting_for_others():
     off = R.zero3_offload_optimizer(dataclasses.replace(small_box, host_ram_bytes=512 * GiB), Overrides(), None,
                                     POLICY, R.Memory())
     assert isinstance(off, R.Applied)
-    assert L.predict_host(small_box, off.overrides) > R.host_budget(small_box, POLICY)
+    assert LO.predict_host(small_box, off.overrides) > R.host_budget(small_box, POLICY)
     w = host_wait(small_box, POLICY, off.overrides, waited_s=0)
     assert w is not None and not w.wait, w and w.reason
     assert "waiting cannot make it fit" in w.reason and "starting now" in w.reason
@@ -173,8 +175,8 @@ def test_a_job_that_others_stand_between_it_and_a_fit_waits_for_them():
     from supervisor.judge.policy.hostwait import host_wait
 
     box = job_of(LLAMA3_8B, gpu_gib=80, host_gib=24, others_gib=4)
-    seen = L.observation(box, Overrides(), None, succeeded=True,
-                         peak=L.GpuPeak(60 * GiB, 58 * GiB, None, None, 1), peak_rss_bytes=20 * GiB, job="j")
+    seen = LO.observation(box, Overrides(), None, succeeded=True,
+                         peak=LO.GpuPeak(60 * GiB, 58 * GiB, None, None, 1), peak_rss_bytes=20 * GiB, job="j")
     w = host_wait(box, POLICY, Overrides(), observations=[seen])
     assert w is not None and w.wait and w.need == 20 * GiB, w
     assert "waiting for them" in w.reason

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from supervisor.core.models import JobContext, Overrides
 from supervisor.judge.policy import rungs as R
-from supervisor.judge.policy.learn import Observation, host_need
+from supervisor.judge.policy.learn import host_need
+from supervisor.judge.policy.observed import Observation
 from supervisor.judge.policy.schema import Policy
 
 GiB = 1 << 30
