@@ -318,7 +318,7 @@ def context_of(case: Case) -> JobContext:
               "cutoff_len": case.seq, "bf16": True, "disable_gradient_checkpointing": not case.gc_on}
     if case.ds_explicit:
         config["deepspeed"] = "ds_z0_explicit.json"
-    ctx = JobContext(id=1, name=_label(case), kind="llamafactory", config=config, world_size=1, max_attempts=10,
+    return JobContext(id=1, name=_label(case), kind="llamafactory", config=config, world_size=1, max_attempts=10,
                      param_count=shape.params, largest_layer_params=shape.largest_layer_params,
                      gpu_capacity_bytes=case.gpu_gib * GiB, host_ram_bytes=case.host_ram,
                      model_shape=None if NO_SHAPE else {"hidden_size": shape.hidden_size,
@@ -327,7 +327,6 @@ def context_of(case: Case) -> JobContext:
                      torch_version="2.14.1", transformers_version="5.6.0",
                      deepspeed_config=user_deepspeed(case), visible_gpu_count=case.world,
                      host_used_by_others_bytes=case.host_others_gib * GiB or None)
-    return ctx
 
 
 try:  # the bounded wait for host RAM that others hold (absent on older code: no wait)
@@ -586,7 +585,7 @@ def nights(policy, scenario: str, count: int = 2) -> dict:
     clock = 0
     for night in range(1, count + 1):
         fit, cost, refused_ok, n = [], [], 0, 0
-        for i, case in enumerate(cases):
+        for case in cases:
             feasible = best[case] is not None
             pool = store.setdefault(_kind(case), [])
             start, _ = learn.initial_overrides(context_of(case), policy, pool)

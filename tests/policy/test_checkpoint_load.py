@@ -13,8 +13,8 @@ Z3_OFFLOAD = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": 
               "train_micro_batch_size_per_gpu": "auto"}
 
 
-def first(j, d, policy, overrides=Overrides(), ckpt=40):
-    return decide(j, [attempt(1, overrides, d, ckpt)], d, policy)
+def first(j, d, policy, overrides=None, ckpt=40):
+    return decide(j, [attempt(1, overrides or Overrides(), d, ckpt)], d, policy)
 
 
 def test_a_host_oom_while_loading_a_zero_checkpoint_loads_it_per_parameter_not_a_smaller_batch(default_policy):

@@ -10,8 +10,8 @@ from supervisor.judge.policy import backoff_delay, decide, parse_policy_text
 from .builders import GiB, attempt, diag, job, oom
 
 
-def first(j, d, policy, overrides=Overrides(), ckpt=None):
-    return decide(j, [attempt(1, overrides, d, ckpt)], d, policy)
+def first(j, d, policy, overrides=None, ckpt=None):
+    return decide(j, [attempt(1, overrides or Overrides(), d, ckpt)], d, policy)
 
 
 # --- effective batch preservation ----------------------------------------------------------

@@ -66,7 +66,7 @@ def test_plan_text_and_refused_policy(tmp_path, capsys):
 
 
 def test_plan_without_gpu_size_climbs_the_ladder_plainly(tmp_path, capsys):
-    rc, out = run_plan(tmp_path, capsys, "--json")
+    _rc, out = run_plan(tmp_path, capsys, "--json")
     rungs = [s["rung"] for s in json.loads(out.out)["steps"][1:] if s["rung"]]
     assert rungs[:3] == ["micro_batch", "micro_batch", "grad_checkpointing"]
     assert "zero3_offload_optimizer" in rungs

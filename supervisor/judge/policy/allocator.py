@@ -47,4 +47,4 @@ def merged_alloc_env(user_env: Mapping[str, str], ours: Mapping[str, str]) -> di
         options.pop("expandable_segments")
     options.update(ours)
     value = format_alloc_conf(options)
-    return {name: value for name in ALLOC_VARS}
+    return dict.fromkeys(ALLOC_VARS, value)

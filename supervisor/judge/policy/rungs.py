@@ -188,7 +188,7 @@ def _alloc_env(ours: Mapping[str, str]) -> dict[str, str]:
     torchrun path does not overwrite PYTORCH_CUDA_ALLOC_CONF (it keeps its other
     optimisation, TORCH_NCCL_AVOID_RECORD_STREAMS, set here by hand)."""
     value = format_alloc_conf(ours)
-    return {**{name: value for name in ALLOC_VARS}, "OPTIM_TORCH": "0",
+    return {**dict.fromkeys(ALLOC_VARS, value), "OPTIM_TORCH": "0",
             "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
 
 
