@@ -60,8 +60,10 @@ _BATCH_EXHAUSTED_RE = re.compile(r"No executable batch size found, reached zero"
 # Other frameworks' OOM dialects (generic `command:` jobs).
 _TF_OOM_RE = re.compile(r"OOM when allocating tensor(?: with shape\s*\[[^\]]*\])?(?P<rest>.*)")
 # XLA's status text; older releases spelled it "Resource exhausted:". A terminal may wrap the line after "Out".
-_XLA_OOM_RE = re.compile(r"(?:RESOURCE_EXHAUSTED|Resource exhausted): Out(?:$|\s+of memory"
-                         r"(?:\s+(?:while trying to allocate|allocating)\s+(\d+)\s+bytes)?)")
+_XLA_OOM_RE = re.compile(r"(?:RESOURCE_EXHAUSTED|Resource exhausted): (?:Out(?:$|\s+of memory"
+                         r"(?:\s+(?:while trying to allocate|allocating)\s+(\d+)\s+bytes)?)"
+                         # a TPU's runtime: "Attempting to reserve 6.48G at the bottom of memory. That was not possible."
+                         r"|Attempting to reserve \S+ at the (?:bottom|top) of memory\. That was not possible)")
 _GGML_OOM_RE = re.compile(
     r"(?:cuda|hip)Malloc failed: out of memory|failed to allocate (?P<dev>CUDA|ROCm|HIP|Vulkan|SYCL)\d* buffer(?: of size (?P<size>\d+))?"
     r"|unable to allocate (?:CUDA|ROCm|HIP)\d* buffer|ggml_cuda_host_malloc: failed to allocate"
