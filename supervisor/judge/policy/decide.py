@@ -172,11 +172,29 @@ def _no_progress_run(history: Sequence[AttemptRecord]) -> int:
 
 def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis,
            policy: Policy) -> Decision:
-    """What to do after an attempt ended. `history[-1]` is that attempt."""
-    cat = diagnosis.category
+    """What to do after an attempt ended. `history[-1]` is that attempt. The rules are asked in
+    DECISION_STEPS' order; the first that decides wins."""
     current = history[-1].overrides if history else Overrides()
+    for step in DECISION_STEPS:
+        d = step(job, history, diagnosis, policy, current)
+        if d is not None:
+            return d
+    return Decision(DecisionKind.FAIL, f"no rule for {diagnosis.category}: {diagnosis.summary}")
+
+
+def _done(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+          current: Overrides) -> Decision | None:
+    """Training finished."""
+    cat = diagnosis.category
     if cat == Category.SUCCESS:
         return Decision(DecisionKind.DONE, "training finished", overrides=current)
+    return None
+
+
+def _hint_only(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+               current: Overrides) -> Decision | None:
+    """A terminal category from free text only: retried, never final."""
+    cat = diagnosis.category
     hint = getattr(diagnosis, "strength", "structural") == "hint"
     if hint and cat in (Category.CONFIG_ERROR, Category.DISK_FULL, Category.NUMERIC, Category.DEVICE_FAULT):
         # Free text in the log, not the exception that ended it: never a terminal verdict.
@@ -189,6 +207,13 @@ def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnos
                                                    f"again, retry {n} of {policy.budgets.transient_retries}")
         return Decision(DecisionKind.FAIL, f"{n} attempts ended with only a hint of {cat} "
                                            f"(budget {policy.budgets.transient_retries}): {diagnosis.summary}")
+    return None
+
+
+def _config_error(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+                  current: Overrides) -> Decision | None:
+    """The user's configuration: final, unless this configuration trained before."""
+    cat = diagnosis.category
     if cat == Category.CONFIG_ERROR:
         trained = _trained_before(history, current)
         suspects = sum(1 for a in history[:-1] if a.diagnosis is not None
@@ -202,6 +227,13 @@ def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnos
         return Decision(DecisionKind.FAIL, f"configuration error, no retry can fix it: {diagnosis.summary}"
                         + (" (a retry of this configuration, which trained before, failed the same way)"
                            if trained is not None else ""))
+    return None
+
+
+def _environment(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+                 current: Overrides) -> Decision | None:
+    """The hub, DNS, the network: retried within its budget."""
+    cat = diagnosis.category
     if str(cat) == "environment":
         n = sum(1 for a in history if a.diagnosis is not None and str(a.diagnosis.category) == "environment")
         if n <= policy.budgets.environment_retries:
@@ -210,17 +242,44 @@ def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnos
                                                    f"{policy.budgets.environment_retries}")
         return Decision(DecisionKind.FAIL, f"environment failure persisted over {n} attempts (budget "
                                            f"{policy.budgets.environment_retries}): {diagnosis.summary}")
+    return None
+
+
+def _disk_full(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+               current: Overrides) -> Decision | None:
+    """The queue pauses until space is freed."""
+    cat = diagnosis.category
     if cat == Category.DISK_FULL:
         return Decision(DecisionKind.PAUSE, f"disk full: the queue pauses until space is freed "
                                             f"({diagnosis.summary})", overrides=current)
+    return None
+
+
+def _budget_spent(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+                  current: Overrides) -> Decision | None:
+    """The attempt budget."""
+    cat = diagnosis.category
     limit = min(policy.budgets.max_attempts, job.max_attempts)
     if len(history) >= limit:
         return Decision(DecisionKind.FAIL, f"attempt budget spent ({len(history)} of {limit}); "
                                            f"last failure: {cat}: {diagnosis.summary}")
+    return None
+
+
+def _stalled(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+             current: Overrides) -> Decision | None:
+    """Attempts in a row without checkpoint progress."""
     stalled = _no_progress_run(history)
     if stalled >= policy.budgets.no_progress_attempts:
         return Decision(DecisionKind.FAIL, f"{stalled} attempts in a row made no checkpoint progress "
                                            f"(budget {policy.budgets.no_progress_attempts}); last: {diagnosis.summary}")
+    return None
+
+
+def _numeric(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+             current: Overrides) -> Decision | None:
+    """NaN/inf: final unless the policy retries it."""
+    cat = diagnosis.category
     count = sum(1 for a in history if a.diagnosis is not None and a.diagnosis.category == cat)
     if cat == Category.NUMERIC:
         if policy.retry_numeric and count <= policy.budgets.numeric_retries:
@@ -228,16 +287,38 @@ def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnos
         return Decision(DecisionKind.FAIL, f"numeric failure ({diagnosis.summary}); {_last_good(history, diagnosis)}; "
                                            "lower the learning rate, check the data for empty or extreme "
                                            "samples, prefer bf16 over fp16 (retry_numeric in the policy retries)")
+    return None
+
+
+def _device_fault(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+                  current: Overrides) -> Decision | None:
+    """A GPU fault: retried within its budget, then check the GPU."""
+    cat = diagnosis.category
+    count = sum(1 for a in history if a.diagnosis is not None and a.diagnosis.category == cat)
     if cat == Category.DEVICE_FAULT:
         if count <= policy.budgets.device_fault_retries:
             return _retry(job, current, policy, count, f"device fault, retry {count} of "
                                                        f"{policy.budgets.device_fault_retries}")
         return Decision(DecisionKind.FAIL, f"device fault again ({diagnosis.summary}): check the GPU "
                                            "(dmesg, rocm-smi / nvidia-smi) before resubmitting")
+    return None
+
+
+def _repeated_crash(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+                    current: Overrides) -> Decision | None:
+    """The same crash twice with no progress: a retry would repeat it."""
+    cat = diagnosis.category
     if cat in (Category.CRASH_OTHER, Category.UNKNOWN) and _same_twice(history, diagnosis):
         return Decision(DecisionKind.FAIL, f"the same {cat} twice in a row with no progress between "
                                            f"({diagnosis.fingerprint}): a retry would repeat it, so the backoff "
                                            f"budget is not spent on it: {diagnosis.summary}")
+    return None
+
+
+def _transient(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+               current: Overrides) -> Decision | None:
+    """Crashes worth a retry of the same configuration."""
+    cat = diagnosis.category
     if cat in TRANSIENT:
         n = sum(1 for a in history if a.diagnosis is not None and a.diagnosis.category in TRANSIENT)
         if n <= policy.budgets.transient_retries:
@@ -245,6 +326,13 @@ def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnos
                                                    f"retry {n} of {policy.budgets.transient_retries}")
         return Decision(DecisionKind.FAIL, f"{cat} persisted over {n} attempts "
                                            f"(budget {policy.budgets.transient_retries}): {diagnosis.summary}")
+    return None
+
+
+def _foreign_gpu_memory(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+                        current: Overrides) -> Decision | None:
+    """Others hold the GPU's memory: wait, the job unchanged."""
+    cat = diagnosis.category
     if cat == Category.GPU_OOM and foreign_oom(diagnosis, policy):
         held = diagnosis.numbers["held_by_others"]
         n = sum(1 for a in history if a.diagnosis is not None and foreign_oom(a.diagnosis, policy))
@@ -259,9 +347,35 @@ def decide(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnos
         return Decision(DecisionKind.FAIL, f"{cat}: {who}, still after {n} attempts (budget "
                                            f"{policy.budgets.foreign_memory_retries}): free that GPU or pin the "
                                            "job to others (gpus:); its own configuration was never the cause")
+    return None
+
+
+def _out_of_memory(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
+                   current: Overrides) -> Decision | None:
+    """The escalation ladder."""
+    cat = diagnosis.category
     if cat in OOM:
         return _with_original_values(job, _decide_oom(job, history, diagnosis, policy, current))
-    return Decision(DecisionKind.FAIL, f"no rule for {cat}: {diagnosis.summary}")
+    return None
+
+
+# The order the rules are asked in: success; a hint is never final; the terminal and paused
+# categories; then the budgets; then per category, memory last.
+DECISION_STEPS = (
+    _done,
+    _hint_only,
+    _config_error,
+    _environment,
+    _disk_full,
+    _budget_spent,
+    _stalled,
+    _numeric,
+    _device_fault,
+    _repeated_crash,
+    _transient,
+    _foreign_gpu_memory,
+    _out_of_memory,
+)
 
 
 def _shortfall(d: Diagnosis) -> int | None:
