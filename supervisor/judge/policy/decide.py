@@ -458,6 +458,52 @@ def _retry(job: JobContext, current: Overrides, policy: Policy, n: int, reason: 
     return Decision(DecisionKind.RETRY, f"{reason}; waiting {delay:.0f} s", delay_s=delay, overrides=current)
 
 
+def _first_rung_that_fits(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy, mem: R.Memory,
+                          order: Sequence[str], failed: set[str], kwargs_for: Any, said: str,
+                          skipped: list[str]) -> Decision | None:
+    """The first rung in `order` that applies, is new and closes the shortfall; else the one that
+    frees most; None when none applies (`skipped` then says why, rung by rung)."""
+    partial: list[tuple[int, str, R.Applied]] = []
+    for name in order:
+        fn = _RUNGS[name]
+        result = fn(job, current, diag, policy, mem, **kwargs_for(name))
+        if isinstance(result, R.Skipped):
+            skipped.append(f"{name}: {result.why}")
+            continue
+        if result.overrides.fingerprint() in failed:
+            skipped.append(f"{name}: that configuration already failed with an OOM")
+            continue
+        if (diag.category == Category.GPU_OOM and mem.shortfall is not None and result.frees is not None
+                and result.frees < mem.shortfall * policy.shortfall_margin):
+            skipped.append(f"{name}: frees ~{_gib(result.frees)}, cannot close {_gib(mem.shortfall)}")
+            if result.frees > 0:
+                partial.append((result.frees, name, result))
+            continue
+        reason = f"{said}; {name}: {result.what}"
+        if skipped:
+            reason += " [skipped: " + "; ".join(skipped) + "]"
+        return _escalate(current, result, name, reason)
+    if partial:
+        frees, name, result = max(partial, key=lambda t: t[0])
+        reason = (f"{said}; no single remedy closes it, taking the one that frees most: "
+                  f"{name} (~{_gib(frees)}): {result.what} [skipped: " + "; ".join(skipped) + "]")
+        return _escalate(current, result, name, reason)
+    return None
+
+
+def _no_remedy_left(job: JobContext, diag: Diagnosis, policy: Policy, setup: Any, said: str,
+                    skipped: list[str]) -> Decision:
+    """The failure that says what every rung said."""
+    extra = ""
+    if diag.phase == Phase.CHECKPOINT_LOAD:
+        extra = ("; while loading a checkpoint a smaller micro-batch frees nothing (no activations exist yet), "
+                 "so the batch is left alone")
+    elif diag.category == Category.HOST_OOM and job.param_count:
+        extra = _host_ram_note(job, setup, policy)
+    return Decision(DecisionKind.FAIL, f"{said}: no remedy left in policy {policy.name!r}"
+                                       f"{extra} [" + "; ".join(skipped) + "]")
+
+
 def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnosis, policy: Policy,
                 current: Overrides, host_check: str = "budget") -> Decision:
     # OOMs that other processes' memory explained say nothing about this job's configuration.
@@ -506,7 +552,6 @@ def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnos
                             changes=_changes(current, step.overrides, what))
 
     skipped: list[str] = []
-    partial: list[tuple[int, str, R.Applied]] = []
     if diag.subkind in R.NON_CACHING_SUBKINDS and "memory_fraction" in order:
         if mem.pytorch_held is None:
             # A library's own OOM text carries no PyTorch numbers: predict PyTorch's share instead.
@@ -516,44 +561,16 @@ def _decide_oom(job: JobContext, history: Sequence[AttemptRecord], diag: Diagnos
         combo = _capped_smaller_batch(job, current, diag, policy, mem, failed, kwargs_for("micro_batch"), history)
         if combo is not None:
             return combo
-    for name in order:
-        fn = _RUNGS[name]
-        result = fn(job, current, diag, policy, mem, **kwargs_for(name))
-        if isinstance(result, R.Skipped):
-            skipped.append(f"{name}: {result.why}")
-            continue
-        if result.overrides.fingerprint() in failed:
-            skipped.append(f"{name}: that configuration already failed with an OOM")
-            continue
-        if (diag.category == Category.GPU_OOM and mem.shortfall is not None and result.frees is not None
-                and result.frees < mem.shortfall * policy.shortfall_margin):
-            skipped.append(f"{name}: frees ~{_gib(result.frees)}, cannot close {_gib(mem.shortfall)}")
-            if result.frees > 0:
-                partial.append((result.frees, name, result))
-            continue
-        reason = f"{where}{short}; {name}: {result.what}"
-        if skipped:
-            reason += " [skipped: " + "; ".join(skipped) + "]"
-        return _escalate(current, result, name, reason)
-    if partial:
-        frees, name, result = max(partial, key=lambda t: t[0])
-        reason = (f"{where}{short}; no single remedy closes it, taking the one that frees most: "
-                  f"{name} (~{_gib(frees)}): {result.what} [skipped: " + "; ".join(skipped) + "]")
-        return _escalate(current, result, name, reason)
+    found = _first_rung_that_fits(job, current, diag, policy, mem, order, failed, kwargs_for, where + short, skipped)
+    if found is not None:
+        return found
     if host_check == "budget" and any(s.startswith(_OFFLOAD) and "the job may use" in s for s in skipped):
         # Refuse only the impossible: an offload whose buffered host estimate is over the budget
         # but whose unbuffered one fits the box is the last resort, tried rather than failing.
         last = _decide_oom(job, history, diag, policy, current, host_check="possible")
         if last.kind == DecisionKind.ESCALATE:
             return last
-    extra = ""
-    if diag.phase == Phase.CHECKPOINT_LOAD:
-        extra = ("; while loading a checkpoint a smaller micro-batch frees nothing (no activations exist yet), "
-                 "so the batch is left alone")
-    elif diag.category == Category.HOST_OOM and job.param_count:
-        extra = _host_ram_note(job, v.setup, policy)
-    return Decision(DecisionKind.FAIL, f"{where}{short}: no remedy left in policy {policy.name!r}"
-                                       f"{extra} [" + "; ".join(skipped) + "]")
+    return _no_remedy_left(job, diag, policy, v.setup, where + short, skipped)
 
 
 def _capped_smaller_batch(job: JobContext, current: Overrides, diag: Diagnosis, policy: Policy, mem: R.Memory,
