@@ -111,7 +111,7 @@ def test_overnight_run_survives_a_real_oom_rlimit(tmp_path):
     """Checkpoints every 5 steps: the OOM at step 9 is 4 steps after checkpoint-5, and the start-up
     hook's emergency checkpoint of step 8 makes it cost nothing."""
     d, job = run_demo(tmp_path, cgroups="off", limit=DEMO_RLIMIT, save_steps=DEMO_SAVE_STEPS)
-    check_night(d, job, mechanism="rlimit-data+sampled-sum")
+    check_night(d, job, mechanism="rlimit-data+sampled-pss")
     first = d.show(1)["attempt_list"][0]
     assert first["emergency_checkpoint"].startswith("emergency checkpoint at step 8"), first
     assert first["steps_lost"] == 0
