@@ -253,6 +253,8 @@ _RULE_TRIGGERS = (
     "name resolution", "NameResolution", "Failed to resolve", "service not known", "TimeoutError", "MaxRetryError",
     "ConnectionError", "Connection aborted", "connect to", "unreachable", "HTTP Error 50", "Server Error",
     "check your connection", "Internet connection", "SSLError", "ProxyError",
+    # config checks said outside an exception line (families/config.py)
+    "size mismatch for", "Please verify arguments", "is not in struct", "Could not override",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 

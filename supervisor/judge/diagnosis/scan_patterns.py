@@ -95,7 +95,10 @@ _RUNTIME_ABORT_RE = re.compile(r"Queue 0x[0-9a-f]+ aborting with error|Memory ac
 # An exception raised while the arguments were parsed or validated is a configuration error.
 _RETRY_RE = re.compile(r"\b[Rr]etrying (?:with|without)\b|\bfalling back (?:to|on)\b")
 RETRY_WINDOW = 8
-_CONFIG_FRAME_RE = re.compile(r"llamafactory/hparams/|transformers/hf_argparser\.py|transformers/training_args\.py")
+_CONFIG_FRAME_RE = re.compile(r"llamafactory/hparams/|transformers/hf_argparser\.py|transformers/training_args\.py"
+                              # a config-driven framework building an object from the user's config dict
+                              r"|mmcv/utils/registry\.py|mmengine/registry/build_functions\.py"
+                              r"|hydra/_internal/instantiate/")
 
 _PREFILTER = LiteralScanner([k.encode() for k in _KEYWORDS if not any(o != k and o in k for o in _KEYWORDS)])
 _PIECE_FILTER = compile_search(_PREFILTER_PATTERN)  # one short \r-piece at a time

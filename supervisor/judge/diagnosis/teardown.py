@@ -42,6 +42,7 @@ _NOISE_RE = re.compile(
       # interpreter shutdown, wandb, warnings, shells, markdown fences
       | wandb: | \S+\.py:\d+:\ \w*Warning: | warnings\.warn\( | \w*Warning:
       | Error\ executing\ job\ with\ overrides | Set\ the\ environment\ variable\ HYDRA_FULL_ERROR
+      | full_key:\ | object_type=                                  # omegaconf's detail under its error
       | \(?[\w.-]*\)?\s*[\w.-]+@[\w.-]+[:\s].*[$#%]\s | [$#%>]\s*$ | ```
     )""",
     re.VERBOSE,

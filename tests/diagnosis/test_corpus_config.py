@@ -1,0 +1,78 @@
+"""Configuration errors as frameworks check them (issue 29, development part of bench/corpus): a
+DeepSpeed batch-size assertion under a rich-style traceback, a yacs key typo, an mmengine registry
+miss, a checkpoint whose shapes do not fit the model, hydra refusing an override. Each was called
+crash_other or 'no failure evidence'. The texts below are copied from the excerpts named."""
+
+from supervisor.core.models import Category, ExitRecord
+from supervisor.judge.diagnosis import diagnose_bytes
+
+# config_error_hfblog_starchat_rich_ds_batch_assertion (huggingface/blog#1270): rich's boxed frames.
+RICH_BATCH = (
+    "│ /opt/conda/lib/python3.7/site-packages/deepspeed/runtime/config.py: │\n"
+    "│ 891 in _batch_assertion                                             │\n"
+    "│                                                                     │\n"
+    "│ ❱  891 │   │   │   f\"Check batch related parameters. train_batch_si │\n"
+    "│    892 │   │   │   \"to micro_batch_per_gpu * gradient_acc_step * wo │\n"
+    "╰─────────────────────────────────────────────────────────────────────╯\n"
+    "AssertionError: Check batch related parameters. train_batch_size is not\n"
+    "equal to micro_batch_per_gpu * gradient_acc_step * world_size 64 != 4 *\n"
+    "8 * 1\n"
+).encode()
+# config_error_fsdet_yacs_typo_model_wetghts (ucbdrive/few-shot-object-detection#180)
+YACS = (
+    b"Traceback (most recent call last):\n"
+    b'  File "/home/sjk/anaconda3/envs/chpy/lib/python3.8/site-packages/yacs/config.py", line 491, in _merge_a_into_b\n'
+    b'    raise KeyError("Non-existent config key: {}".format(full_key))\n'
+    b"KeyError: 'Non-existent config key: MODEL.WETGHTS'\n"
+)
+# config_error_mmengine_cocodataset_not_in_registry (open-mmlab/mmengine#1463)
+REGISTRY = (
+    b"KeyError: 'CocoDataset is not in the mmengine::dataset registry. Please check whether the value of "
+    b"`CocoDataset` is correct or it was registered as expected. More details can be found at "
+    b"https://mmengine.readthedocs.io/en/latest/advanced_tutorials/config.html#import-the-custom-module'\n"
+)
+# config_error_pive_t5_vocab_size_mismatch (Jiuzhouh/PiVe#4): load_state_dict's message lines alone.
+SIZE_MISMATCH = (
+    b"size mismatch for shared.weight: copying a param with shape torch.Size([32101, 768]) from checkpoint, "
+    b"the shape in current model is torch.Size([32128, 768]).\n"
+    b"\tsize mismatch for lm_head.weight: copying a param with shape torch.Size([32101, 768]) from checkpoint, "
+    b"the shape in current model is torch.Size([32128, 768]).\n"
+)
+# config_error_verl_hydra_cannot_override_rollout_n (verl-project/verl#4262)
+HYDRA = (
+    b"Could not override 'actor_rollout_ref.rollout.n'.\n"
+    b"To append to your config use +actor_rollout_ref.rollout.n=16\n"
+    b"Key 'n' is not in struct\n"
+    b"    full_key: actor_rollout_ref.rollout.n\n"
+    b"    object_type=dict\n"
+    b"\n"
+    b"Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
+)
+
+
+def test_framework_config_checks_are_config_errors():
+    for name, log in (("rich", RICH_BATCH), ("yacs", YACS), ("registry", REGISTRY),
+                      ("size_mismatch", SIZE_MISMATCH), ("hydra", HYDRA)):
+        d = diagnose_bytes(log, ExitRecord(returncode=1))
+        assert d.category is Category.CONFIG_ERROR, (name, d.summary)
+
+
+def test_the_same_words_in_ordinary_output_do_not_act():
+    # printed while training went on, not what ended the run
+    for log in (SIZE_MISMATCH + b"{'loss': 1.2, 'learning_rate': 1e-05, 'epoch': 0.1}\n",
+                (b"note: 'size mismatch for shared.weight: copying a param with shape' was fixed in v2\n"
+                 b"{'train_runtime': 10.0, 'train_loss': 1.1, 'epoch': 1.0}\n")):
+        d = diagnose_bytes(log, ExitRecord(returncode=0))
+        assert d.category is Category.SUCCESS, d.summary
+
+
+def test_a_version_mismatch_typeerror_stays_a_crash():
+    # crash_other_trl_trainer_unexpected_kwarg_tokenizer (huggingface/trl#6168): a library's API moved
+    log = (b"Traceback (most recent call last):\n"
+           b'  File ".../Comm_Pretrain.py", line 596, in <module>\n'
+           b"    sfttrainer = SFTTrainer(\n"
+           b'  File ".../miniconda3/envs/agentic-frozenlake/lib/python3.10/site-packages/trl/trainer/sft_trainer.py",'
+           b" line 401, in __init__\n"
+           b"    super().__init__(\n"
+           b"TypeError: Trainer.__init__() got an unexpected keyword argument 'tokenizer'\n")
+    assert diagnose_bytes(log, ExitRecord(returncode=1)).category is Category.CRASH_OTHER
