@@ -255,6 +255,8 @@ _RULE_TRIGGERS = (
     "check your connection", "Internet connection", "SSLError", "ProxyError",
     # config checks said outside an exception line (families/config.py)
     "size mismatch for", "Please verify arguments", "is not in struct", "Could not override",
+    # numeric blow-ups in other frameworks' words (families/numeric.py)
+    "oss is nan", "oss is NaN", "oss is inf", "Invalid loss", "Tensor had", "found NaN",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 

@@ -128,6 +128,23 @@ def _bad_value(v: str, *, zero_is_bad: bool) -> str | None:
     return None
 
 
+def healthy_logged_step(buf: bytes, start: int, end: int) -> bool:
+    """A logged step dict in buf[start:end] with a finite, non-zero loss and no non-finite grad_norm.
+    A bad one that is no candidate (a logger's prefixed copy, `{'loss': 0.0000, ...}`) does not
+    end a run of bad steps: only a healthy step does."""
+    p = buf.find(_LOGGED, start, end)
+    while p >= 0:
+        nl = buf.find(b"\n", p, min(end, p + 600))
+        line = buf[p: nl if nl >= 0 else min(end, p + 600)].decode("utf-8", "replace")
+        m = _LOGGED_LOSS_RE.match(line)
+        g = _LOGGED_GRAD_RE.search(line)
+        if (m is None or _bad_value(m.group(1).rstrip(",}"), zero_is_bad=True) is None) and (
+                g is None or _bad_value(g.group(1).rstrip(",}"), zero_is_bad=False) is None):
+            return True
+        p = buf.find(_LOGGED, p + 1, end)
+    return False
+
+
 def _last_segment(line: bytes) -> str:
     """The text a terminal would show for a line: what follows its last `\\r`."""
     if b"\r" in line:

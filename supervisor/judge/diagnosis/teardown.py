@@ -43,6 +43,7 @@ _NOISE_RE = re.compile(
       | wandb: | \S+\.py:\d+:\ \w*Warning: | warnings\.warn\( | \w*Warning:
       | Error\ executing\ job\ with\ overrides | Set\ the\ environment\ variable\ HYDRA_FULL_ERROR
       | full_key:\ | object_type=                                  # omegaconf's detail under its error
+      | Caused\ by\ op\ '[^']*',\ defined\ at: | \[\[\{*node\               # TensorFlow's op location
       | \(?[\w.-]*\)?\s*[\w.-]+@[\w.-]+[:\s].*[$#%]\s | [$#%>]\s*$ | ```
     )""",
     re.VERBOSE,
