@@ -257,6 +257,7 @@ _RULE_TRIGGERS = (
     "size mismatch for", "Please verify arguments", "is not in struct", "Could not override",
     # numeric blow-ups in other frameworks' words (families/numeric.py)
     "oss is nan", "oss is NaN", "oss is inf", "Invalid loss", "Tensor had", "found NaN",
+    "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 
