@@ -48,11 +48,31 @@ HYDRA = (
     b"\n"
     b"Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
 )
+# config_error_facechain_caption_column_not_in_dataset (modelscope/facechain#171): a `[stderr   ]` stream tag
+STDERR_TAG = (
+    b"Traceback (most recent call last):\n"
+    b'2023-09-04 08:11:57.459 [stderr   ]   File "/data/repos/facechain/facechain/train_text_to_image_lora.py", '
+    b"line 1469, in <module>\n"
+    b"2023-09-04 08:11:57.460 [stderr   ]     main()\n"
+    b'2023-09-04 08:11:57.460 [stderr   ]   File "/data/repos/facechain/facechain/train_text_to_image_lora.py", '
+    b"line 1015, in main\n"
+    b"2023-09-04 08:11:57.460 [stderr   ]     raise ValueError(\n"
+    b"2023-09-04 08:11:57.460 [stderr   ] ValueError: --caption_column' value 'text' needs to be one of: image\n"
+)
+# config_error_yolop_label_json_not_found (hustvl/YOLOP#191): a dataset file the config points at
+NOT_FOUND = (
+    b"Traceback (most recent call last):\n"
+    b'  File "/home/user/YOLOP/lib/dataset/bdd.py", line 37, in _get_db\n'
+    b"    with open(label_path, 'r') as f:\n"
+    b"FileNotFoundError: [Errno 2] No such file or directory: "
+    b"'/media/user/LaCie/DataSet/YOLOP/det_annotation/train/1f864b3f-a736fa8b.json'\n"
+)
 
 
 def test_framework_config_checks_are_config_errors():
     for name, log in (("rich", RICH_BATCH), ("yacs", YACS), ("registry", REGISTRY),
-                      ("size_mismatch", SIZE_MISMATCH), ("hydra", HYDRA)):
+                      ("size_mismatch", SIZE_MISMATCH), ("hydra", HYDRA), ("stderr_tag", STDERR_TAG),
+                      ("not_found", NOT_FOUND)):
         d = diagnose_bytes(log, ExitRecord(returncode=1))
         assert d.category is Category.CONFIG_ERROR, (name, d.summary)
 

@@ -30,7 +30,7 @@ KNOWN_PREFIX_RE = re.compile(
       | \[?[EWIF]\d{4}\s+[\d:.]+\s+(?:\d+\s+)?[\w./-]+:\d+\]\s*
       | \[\d{4}-\d\d-\d\d[ T][\d:.,]+\]\s*(?:\[\w+\]\s*(?:\[[^\]]*\]\s*)?)?
       | \d{4}-\d\d-\d\d[ T][\d:.,]+Z?:?\s*(?:\|\s*\w+\s*\|\s*\w+\s*\|\s*)?
-        (?:(?:stdout|stderr)\s+[FP]\s+)?
+        (?:(?:stdout|stderr)\s+[FP]\s+|\[(?:stdout|stderr)\s*\]\s*)?
         (?:[EWIF]\s+[\w./-]+:\d+\]\s*)?
         (?:-\s*[\w.]+\s*-\s*(?:INFO|WARNING|ERROR|DEBUG|CRITICAL)\s*-\s*)?
       | (?:INFO|WARNING|ERROR|DEBUG|CRITICAL):[\w.]+:\s?

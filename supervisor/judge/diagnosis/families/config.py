@@ -74,9 +74,13 @@ _CHECK_MESSAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
         ),
     ),
 )
+# A path the user gave (a dataset, its labels, a checkpoint, a folder) that is not there.
+_NOT_FOUND_EXCS = frozenset({"FileNotFoundError", "NotADirectoryError", "IsADirectoryError"})
 _CHECK_CARRIERS = frozenset({"ValueError", "AssertionError", "KeyError", "RuntimeError", "Exception"})
 # Said outside an exception line: a load_state_dict message line, hydra's refusal, a script's own check.
 _CHECK_MENTION_RE = re.compile(r"size mismatch for \S+: copying a param with shape|Please verify arguments"
+                               # the end of a long check message (PEFT's target module, printed as a repr)
+                               r"|\) is not supported\. Currently, only the following \w+ are supported"
                                r"|^Key '[^']*' is not in struct|^Could not override '")
 
 
@@ -93,6 +97,9 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     if exc_form:
         if exc in _CHECK_CLASSES or (exc == "ValidationError" and _CONFIG_MODEL_RE.search(t)):
             hits.append(Hit("config_check", Category.CONFIG_ERROR, ROOT, "invalid_config", exc=seg.exc))
+            return
+        if exc in _NOT_FOUND_EXCS:
+            hits.append(Hit("path_not_found", Category.CONFIG_ERROR, ROOT, "path_not_found", exc=seg.exc))
             return
         if exc in _CHECK_CARRIERS:
             for name, rx in _CHECK_MESSAGES:
