@@ -53,6 +53,8 @@ _MARKER_TRIGGERS = (
     # chained exceptions; C++ aborts; a program that says it retries after an OOM
     "above exception", "what():", "terminated with exception", "aborting with error", "retrying", "Retrying",
     "falling back",
+    # the bottom edge of a rich-style traceback's box (scan_rich.py)
+    "╰─",
 )
 _VENDOR_TRIGGERS = (
     "HIP", "hipError", "AMD_SERIALIZE", "HSA_", "HW Exception", "/rocm", "ROCm", "rocm-", "gfx9", "gfx1", "MI300",

@@ -98,7 +98,10 @@ RETRY_WINDOW = 8
 _CONFIG_FRAME_RE = re.compile(r"llamafactory/hparams/|transformers/hf_argparser\.py|transformers/training_args\.py"
                               # a config-driven framework building an object from the user's config dict
                               r"|mmcv/utils/registry\.py|mmengine/registry/build_functions\.py"
-                              r"|hydra/_internal/instantiate/")
+                              r"|hydra/_internal/instantiate/"
+                              # the frameworks' own checks of their configuration and arguments
+                              r"|deepspeed/runtime/config\.py|accelerate/utils/dataclasses\.py"
+                              r"|lightning/\S*connectors/accelerator_connector\.py")
 
 _PREFILTER = LiteralScanner([k.encode() for k in _KEYWORDS if not any(o != k and o in k for o in _KEYWORDS)])
 _PIECE_FILTER = compile_search(_PREFILTER_PATTERN)  # one short \r-piece at a time

@@ -190,6 +190,8 @@ class StreamReading:
     def _scan_plain(self, buf: bytes, start: int, end: int, fatal: list[Evidence]) -> None:
         self._region += 1
         self._scan_lines(buf, start, end, fatal)
+        if self._rich:  # a rich traceback's box still open: carry its bytes into the next read
+            self._carry_rich(buf, start, end)
         if self._numeric_run:  # a logged step after the last bad one (healthy: not a candidate) ends the run
             last = self._last_bad
             after = last[1] + 1 if last is not None and last[0] == self._region else start
