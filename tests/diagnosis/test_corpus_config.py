@@ -86,6 +86,13 @@ def test_the_same_words_in_ordinary_output_do_not_act():
         assert d.category is Category.SUCCESS, d.summary
 
 
+def test_a_missing_tool_or_library_is_not_the_users_path():
+    for exc in (b"FileNotFoundError: [Errno 2] No such file or directory: 'nvcc'",
+                b"FileNotFoundError: Could not find module 'C:\\cuda\\bin\\cudart64_110.dll'"):
+        log = NOT_FOUND.replace(NOT_FOUND.splitlines()[-1], exc)
+        assert diagnose_bytes(log, ExitRecord(returncode=1)).category is not Category.CONFIG_ERROR
+
+
 def test_a_version_mismatch_typeerror_stays_a_crash():
     # crash_other_trl_trainer_unexpected_kwarg_tokenizer (huggingface/trl#6168): a library's API moved
     log = (b"Traceback (most recent call last):\n"

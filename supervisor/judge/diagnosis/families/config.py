@@ -76,6 +76,9 @@ _CHECK_MESSAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 # A path the user gave (a dataset, its labels, a checkpoint, a folder) that is not there.
 _NOT_FOUND_EXCS = frozenset({"FileNotFoundError", "NotADirectoryError", "IsADirectoryError"})
+# ...unless it is a program or a library the environment lacks (a compiler, a shared object): not the config.
+_TOOL_OR_LIB_RE = re.compile(r"\.(?:so|dll|dylib)\b|'(?:nvcc|ninja|git|gcc|g\+\+|cc|c\+\+|make|cmake|ldconfig|nvidia-smi)'"
+                             r"|/bin/|Could not find module")
 _CHECK_CARRIERS = frozenset({"ValueError", "AssertionError", "KeyError", "RuntimeError", "Exception"})
 # Said outside an exception line: a load_state_dict message line, hydra's refusal, a script's own check.
 _CHECK_MENTION_RE = re.compile(r"size mismatch for \S+: copying a param with shape|Please verify arguments"
@@ -98,7 +101,7 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
         if exc in _CHECK_CLASSES or (exc == "ValidationError" and _CONFIG_MODEL_RE.search(t)):
             hits.append(Hit("config_check", Category.CONFIG_ERROR, ROOT, "invalid_config", exc=seg.exc))
             return
-        if exc in _NOT_FOUND_EXCS:
+        if exc in _NOT_FOUND_EXCS and not _TOOL_OR_LIB_RE.search(t):
             hits.append(Hit("path_not_found", Category.CONFIG_ERROR, ROOT, "path_not_found", exc=seg.exc))
             return
         if exc in _CHECK_CARRIERS:
