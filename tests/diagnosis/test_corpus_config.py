@@ -68,13 +68,34 @@ NOT_FOUND = (
     b"'/media/user/LaCie/DataSet/YOLOP/det_annotation/train/1f864b3f-a736fa8b.json'\n"
 )
 
+# config_error_deepspeed_interleaved_inference_config_validation (deepspeedai/DeepSpeed#2890): two
+# processes' tracebacks interleaved; the exception's module path was split from its class
+INTERLEAVED = (
+    b"Traceback (most recent call last):\n"
+    b'  File "inference-test-zero.py", line 95, in <module>\n'
+    b"    pipe.model = deepspeed.init_inference(pipe.model,\n"
+    b'  File "/home/lambda7xx/.local/lib/python3.8/site-packages/deepspeed/__init__.py", line 309, in init_inference\n'
+    b"    [2023-02-24 02:08:06,001] [INFO] [logging.py:68:log_dist] [Rank -1] DeepSpeed info: version=0.7.6, "
+    b"git-hash=unknown, git-branch=unknown\n"
+    b"ds_inference_config = DeepSpeedInferenceConfig(**config_dict)\n"
+    b'  File "/home/lambda7xx/.local/lib/python3.8/site-packages/deepspeed/runtime/config_utils.py", line 55, in __init__\n'
+    b"    super().__init__(**data)\n"
+    b'  File "pydantic/main.py", line 342, in pydantic.main.BaseModel.__init__\n'
+    b"Traceback (most recent call last):\n"
+    b'pydantic.error_wrappers  File "inference-test-zero.py", line 95, in <module>\n'
+    b".ValidationError: 3 validation errors for DeepSpeedInferenceConfig\n"
+    b"tp\n"
+    b"  value is not a valid dict (type=type_error.dict)\n"
+)
+
 
 def test_framework_config_checks_are_config_errors():
     for name, log in (("rich", RICH_BATCH), ("yacs", YACS), ("registry", REGISTRY),
                       ("size_mismatch", SIZE_MISMATCH), ("hydra", HYDRA), ("stderr_tag", STDERR_TAG),
-                      ("not_found", NOT_FOUND)):
+                      ("not_found", NOT_FOUND), ("interleaved", INTERLEAVED)):
         d = diagnose_bytes(log, ExitRecord(returncode=1))
         assert d.category is Category.CONFIG_ERROR, (name, d.summary)
+        assert d.strength == "structural", (name, d.summary)
 
 
 def test_the_same_words_in_ordinary_output_do_not_act():

@@ -66,7 +66,9 @@ _VENDOR_TRIGGERS = (
 _GLUED_RANK_RE = re.compile(r"\[(?:rank|default)\d+\]:")
 _RANK_ANYWHERE_RE = re.compile(r"\[(?:rank|default)(\d+)\]:|\[(?:PG [^\]]*?)?Rank (\d+)\]")
 _EXC_RE = re.compile(
-    r"^(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
+    # a leading "." : the class of a dotted path whose module part another process's write split off
+    # ("pydantic.error_wrappers  File ..." / ".ValidationError: 3 validation errors for ...")
+    r"^\.?(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
     # any CamelCase class with a module path: triton.runtime.errors.OutOfResources
     r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*)"
     # Ray re-raises a task's exception as RayTaskError(<the task's class>)
