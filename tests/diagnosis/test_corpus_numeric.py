@@ -63,3 +63,12 @@ def test_a_healthy_step_after_them_or_a_printed_sample_does_not_act():
     assert s.finish(ExitRecord(returncode=0)).category is Category.SUCCESS
     t = LogScanner()
     assert t.feed(LF_STEPS[:-85] + HEALTHY_STEP + LF_STEPS[-85:]) == []
+
+
+def test_healthy_json_metrics_lines_between_bad_ones_end_the_run():
+    # A JSON metrics logger (double quotes): its healthy steps were not seen as healthy, so three
+    # scattered NaN steps stopped a live run that was learning.
+    bad = b'{"loss": NaN, "grad_norm": NaN, "learning_rate": 1e-05, "epoch": 0.1}\n'
+    good = b'{"loss": 1.25, "grad_norm": 0.8, "learning_rate": 1e-05, "epoch": 0.1}\n'
+    assert LogScanner().feed(bad + good + bad + good + bad) == []
+    assert [e.rule for e in LogScanner().feed(bad * 3)] == ["numeric_run"]

@@ -27,6 +27,7 @@ SHAPES = 4096  # remembered shapes of lines that can no longer change the verdic
 SHAPE_LINE = 1024  # longer candidate lines are always read
 _DIGITS = b"0123456789"
 _LOGGED = b"{'loss': "
+_LOGGED_JSON = b'{"loss": '
 NUMERIC_RUN = 3  # consecutive logged steps with a non-finite or exactly-zero loss that stop the attempt
 CALIBRATION_STEPS = 20  # fp16 loss-scale calibration overflows at the start of a run are normal
 OVERFLOW_STORM = (10, 12)  # 10 overflows within 12 steps after calibration: nearly every step skipped
@@ -135,7 +136,12 @@ def healthy_logged_step(buf: bytes, start: int, end: int) -> bool:
     """A logged step dict in buf[start:end] with a finite, non-zero loss and no non-finite grad_norm.
     A bad one that is no candidate (a logger's prefixed copy, `{'loss': 0.0000, ...}`) does not
     end a run of bad steps: only a healthy step does."""
-    p = buf.find(_LOGGED, start, end)
+    # a Python dict, or a JSON metrics line
+    return any(_healthy_from(buf, start, end, needle) for needle in (_LOGGED, _LOGGED_JSON))
+
+
+def _healthy_from(buf: bytes, start: int, end: int, needle: bytes) -> bool:
+    p = buf.find(needle, start, end)
     while p >= 0:
         nl = buf.find(b"\n", p, min(end, p + 600))
         line = buf[p: nl if nl >= 0 else min(end, p + 600)].decode("utf-8", "replace")
@@ -144,7 +150,7 @@ def healthy_logged_step(buf: bytes, start: int, end: int) -> bool:
         if (m is None or _bad_value(m.group(1).rstrip(",}"), zero_is_bad=True) is None) and (
                 g is None or _bad_value(g.group(1).rstrip(",}"), zero_is_bad=False) is None):
             return True
-        p = buf.find(_LOGGED, p + 1, end)
+        p = buf.find(needle, p + 1, end)
     return False
 
 
