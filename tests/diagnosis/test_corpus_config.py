@@ -88,11 +88,23 @@ INTERLEAVED = (
     b"  value is not a valid dict (type=type_error.dict)\n"
 )
 
+# config_error_kohya_ss_rich_log_no_data_found (bmaltais/kohya_ss#2118): rich's logging handler wraps
+# the record onto lines indented to its message column
+RICH_LOG = (
+    " INFO     mean ar error (without repeats): nan                                      train_util.py:856\n"
+    "                    ERROR    No data found. Please verify arguments (train_data_dir must be the     train_network.py:213\n"
+    "                             parent of folders with images) /\n"
+    "                             画像がありません。引数指定を確認してください（train_data_dirには画像が\n"
+    "                             あるフォルダではなく、画像があるフォルダの親フォルダを指定する必要があ\n"
+    "                             ります）\n"
+).encode()
+
 
 def test_framework_config_checks_are_config_errors():
     for name, log in (("rich", RICH_BATCH), ("yacs", YACS), ("registry", REGISTRY),
                       ("size_mismatch", SIZE_MISMATCH), ("hydra", HYDRA), ("stderr_tag", STDERR_TAG),
-                      ("not_found", NOT_FOUND), ("interleaved", INTERLEAVED)):
+                      ("not_found", NOT_FOUND), ("interleaved", INTERLEAVED),
+                      ("rich_log", RICH_LOG)):
         d = diagnose_bytes(log, ExitRecord(returncode=1))
         assert d.category is Category.CONFIG_ERROR, (name, d.summary)
         assert d.strength == "structural", (name, d.summary)
@@ -105,6 +117,11 @@ def test_the_same_words_in_ordinary_output_do_not_act():
                  b"{'train_runtime': 10.0, 'train_loss': 1.1, 'epoch': 1.0}\n")):
         d = diagnose_bytes(log, ExitRecord(returncode=0))
         assert d.category is Category.SUCCESS, d.summary
+
+
+def test_a_wrapped_rich_record_before_more_output_is_no_final_error():
+    going_on = RICH_LOG + b" INFO     epoch 1/10                                                               train_network.py:700\n"
+    assert diagnose_bytes(going_on, ExitRecord(returncode=1)).category is not Category.CONFIG_ERROR
 
 
 def test_a_missing_tool_or_library_is_not_the_users_path():
