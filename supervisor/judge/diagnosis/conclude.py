@@ -183,9 +183,11 @@ def _final_error(state: ScanState, active: list[Finding]) -> list[Finding]:
 
 SCALE_RUN = 4  # overflows in a row, each lowering the loss scale further
 LOW_SCALE = 2.0  # DeepSpeed's default minimum is 1; a run that got here has nowhere left to go
-_LOSS_VALUE_RE = re.compile(r"""(?:^|[\s{,'"|(])(?P<name>(?:total_|train_)?loss)['"]?\s*[=:]\s*['"]?"""
+# A loss by any name a framework logs it under (decode.loss_seg, loss_cls, noise_step_loss) or a grad norm.
+_LOSS_VALUE_RE = re.compile(r"""(?:^|[\s{,'"|(])(?P<name>[\w.]*loss\w*|grad_norm)['"]?\s*[=:]\s*['"]?"""
                             r"""(?:np\.float\d+\(|tensor\()?(?P<v>nan|-?inf|[-+]?\d[\d.e+-]*)""", re.IGNORECASE)
 NAN_TAIL_RUN = 2
+_NAN_SAID_RE = re.compile(r"[Ll]oss (?:is|became) (?:nan|NaN|inf)\b|Invalid loss, terminating training")
 
 
 def _scale_collapse(state: ScanState) -> Root | None:
@@ -208,12 +210,27 @@ def _nan_tail_run(state: ScanState) -> Root | None:
     """The run's last logged losses are all NaN/Inf (at least NAN_TAIL_RUN, no finite loss after the
     first of them): whatever ended it, it had stopped learning."""
     bad: list[tuple[int, str]] = []
+    bad_names: set[str] = set()
+    finite_after: set[str] = set()
     for n, raw in reversed(state.program_tail()):
+        if _NAN_SAID_RE.search(raw):  # the program's own "Loss is nan, stopping training"
+            bad.append((n, raw))
+            continue
         vals = [(m.group("name").lower(), m.group("v").lower()) for m in _LOSS_VALUE_RE.finditer(raw)]
-        main = [v for name, v in vals if name in ("loss", "total_loss", "train_loss")]
+        main = [v for name, v in vals if name in ("loss", "total_loss", "train_loss", "grad_norm")]
         if not main:
+            # A multi-line step logs several losses apart: only the same loss finite on the other side
+            # of a NaN one (after: it recovered; before: the run of NaN starts there) ends the run.
+            names = {name for name, _ in vals}
             if any(v in ("nan", "inf", "-inf") for _, v in vals):
+                if names & finite_after:
+                    break
                 bad.append((n, raw))
+                bad_names |= names
+            elif names & bad_names:
+                break
+            elif not bad:
+                finite_after |= names
             continue
         if any(v in ("nan", "inf", "-inf") for v in main):
             bad.append((n, raw))

@@ -30,7 +30,7 @@ KNOWN_PREFIX_RE = re.compile(
       | \[?[EWIF]\d{4}\s+[\d:.]+\s+(?:\d+\s+)?[\w./-]+:\d+\]\s*
       | \[\d{4}-\d\d-\d\d[ T][\d:.,]+\]\s*(?:\[\w+\]\s*(?:\[[^\]]*\]\s*)?)?
       | \d{4}-\d\d-\d\d[ T][\d:.,]+Z?:?\s*(?:\|\s*\w+\s*\|\s*\w+\s*\|\s*)?
-        (?:(?:stdout|stderr)\s+[FP]\s+)?
+        (?:(?:stdout|stderr)\s+[FP]\s+|\[(?:stdout|stderr)\s*\]\s*)?
         (?:[EWIF]\s+[\w./-]+:\d+\]\s*)?
         (?:-\s*[\w.]+\s*-\s*(?:INFO|WARNING|ERROR|DEBUG|CRITICAL)\s*-\s*)?
       | (?:INFO|WARNING|ERROR|DEBUG|CRITICAL):[\w.]+:\s?
@@ -41,6 +41,9 @@ KNOWN_PREFIX_RE = re.compile(
 _TASK_LABEL_RE = re.compile(r"^\s*(\d{1,5}):\s*$")
 _LEVELS = r"(?:INFO|WARNING|WARN|ERROR|DEBUG|CRITICAL|FATAL|TRACE)"
 _LEVEL_WORD_RE = re.compile(_LEVELS + r"\b")
+# IPython/Jupyter's traceback header names the exception before it: "ImportError     Traceback (most
+# recent call last)". That name is no stream prefix (learned, it would eat the exception line).
+_IPYTHON_HEADER_RE = re.compile(r"^\s*(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Warning)\s+$")
 MAX_LEARNED = 8
 MAX_PREFIX = 160
 
@@ -113,7 +116,7 @@ class PrefixModel:
 
     def learn(self, prefix: str) -> None:
         """Remember `prefix` (the text before a traceback header) as a stream's prefix."""
-        if not prefix.strip() or len(prefix) > MAX_PREFIX:
+        if not prefix.strip() or len(prefix) > MAX_PREFIX or _IPYTHON_HEADER_RE.match(prefix):
             return
         pattern = shape_pattern(prefix)
         if any(p == pattern for p, _ in self._learned):

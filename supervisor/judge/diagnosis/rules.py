@@ -53,6 +53,8 @@ _MARKER_TRIGGERS = (
     # chained exceptions; C++ aborts; a program that says it retries after an OOM
     "above exception", "what():", "terminated with exception", "aborting with error", "retrying", "Retrying",
     "falling back",
+    # the bottom edge of a rich-style traceback's box (scan_rich.py)
+    "╰─",
 )
 _VENDOR_TRIGGERS = (
     "HIP", "hipError", "AMD_SERIALIZE", "HSA_", "HW Exception", "/rocm", "ROCm", "rocm-", "gfx9", "gfx1", "MI300",
@@ -64,7 +66,9 @@ _VENDOR_TRIGGERS = (
 _GLUED_RANK_RE = re.compile(r"\[(?:rank|default)\d+\]:")
 _RANK_ANYWHERE_RE = re.compile(r"\[(?:rank|default)(\d+)\]:|\[(?:PG [^\]]*?)?Rank (\d+)\]")
 _EXC_RE = re.compile(
-    r"^(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
+    # a leading "." : the class of a dotted path whose module part another process's write split off
+    # ("pydantic.error_wrappers  File ..." / ".ValidationError: 3 validation errors for ...")
+    r"^\.?(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
     # any CamelCase class with a module path: triton.runtime.errors.OutOfResources
     r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*)"
     # Ray re-raises a task's exception as RayTaskError(<the task's class>)
@@ -253,6 +257,11 @@ _RULE_TRIGGERS = (
     "name resolution", "NameResolution", "Failed to resolve", "service not known", "TimeoutError", "MaxRetryError",
     "ConnectionError", "Connection aborted", "connect to", "unreachable", "HTTP Error 50", "Server Error",
     "check your connection", "Internet connection", "SSLError", "ProxyError",
+    # config checks said outside an exception line (families/config.py)
+    "size mismatch for", "Please verify arguments", "is not in struct", "Could not override", "only the following",
+    # numeric blow-ups in other frameworks' words (families/numeric.py)
+    "oss is nan", "oss is NaN", "oss is inf", "Invalid loss", "Tensor had", "found NaN",
+    "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 

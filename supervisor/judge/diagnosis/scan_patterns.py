@@ -27,6 +27,7 @@ SHAPES = 4096  # remembered shapes of lines that can no longer change the verdic
 SHAPE_LINE = 1024  # longer candidate lines are always read
 _DIGITS = b"0123456789"
 _LOGGED = b"{'loss': "
+_LOGGED_JSON = b'{"loss": '
 NUMERIC_RUN = 3  # consecutive logged steps with a non-finite or exactly-zero loss that stop the attempt
 CALIBRATION_STEPS = 20  # fp16 loss-scale calibration overflows at the start of a run are normal
 OVERFLOW_STORM = (10, 12)  # 10 overflows within 12 steps after calibration: nearly every step skipped
@@ -95,7 +96,13 @@ _RUNTIME_ABORT_RE = re.compile(r"Queue 0x[0-9a-f]+ aborting with error|Memory ac
 # An exception raised while the arguments were parsed or validated is a configuration error.
 _RETRY_RE = re.compile(r"\b[Rr]etrying (?:with|without)\b|\bfalling back (?:to|on)\b")
 RETRY_WINDOW = 8
-_CONFIG_FRAME_RE = re.compile(r"llamafactory/hparams/|transformers/hf_argparser\.py|transformers/training_args\.py")
+_CONFIG_FRAME_RE = re.compile(r"llamafactory/hparams/|transformers/hf_argparser\.py|transformers/training_args\.py"
+                              # a config-driven framework building an object from the user's config dict
+                              r"|mmcv/utils/registry\.py|mmengine/registry/build_functions\.py"
+                              r"|hydra/_internal/instantiate/"
+                              # the frameworks' own checks of their configuration and arguments
+                              r"|deepspeed/runtime/config\.py|accelerate/utils/dataclasses\.py"
+                              r"|lightning/\S*connectors/accelerator_connector\.py")
 
 _PREFILTER = LiteralScanner([k.encode() for k in _KEYWORDS if not any(o != k and o in k for o in _KEYWORDS)])
 _PIECE_FILTER = compile_search(_PREFILTER_PATTERN)  # one short \r-piece at a time
@@ -123,6 +130,28 @@ def _bad_value(v: str, *, zero_is_bad: bool) -> str | None:
         except ValueError:
             return None
     return None
+
+
+def healthy_logged_step(buf: bytes, start: int, end: int) -> bool:
+    """A logged step dict in buf[start:end] with a finite, non-zero loss and no non-finite grad_norm.
+    A bad one that is no candidate (a logger's prefixed copy, `{'loss': 0.0000, ...}`) does not
+    end a run of bad steps: only a healthy step does."""
+    # a Python dict, or a JSON metrics line
+    return any(_healthy_from(buf, start, end, needle) for needle in (_LOGGED, _LOGGED_JSON))
+
+
+def _healthy_from(buf: bytes, start: int, end: int, needle: bytes) -> bool:
+    p = buf.find(needle, start, end)
+    while p >= 0:
+        nl = buf.find(b"\n", p, min(end, p + 600))
+        line = buf[p: nl if nl >= 0 else min(end, p + 600)].decode("utf-8", "replace")
+        m = _LOGGED_LOSS_RE.match(line)
+        g = _LOGGED_GRAD_RE.search(line)
+        if (m is None or _bad_value(m.group(1).rstrip(",}"), zero_is_bad=True) is None) and (
+                g is None or _bad_value(g.group(1).rstrip(",}"), zero_is_bad=False) is None):
+            return True
+        p = buf.find(needle, p + 1, end)
+    return False
 
 
 def _last_segment(line: bytes) -> str:

@@ -16,7 +16,6 @@ from supervisor.judge.diagnosis.rules import (
 )
 from supervisor.judge.diagnosis.scan_patterns import (
     _BAR_RE,
-    _LOGGED,
     _LOGGED_GRAD_RE,
     _LOGGED_LOSS_RE,
     EVIDENCE_CHARS,
@@ -25,6 +24,7 @@ from supervisor.judge.diagnosis.scan_patterns import (
     _bad_value,
     _digits_before,
     _last_segment,
+    healthy_logged_step,
 )
 
 
@@ -39,7 +39,7 @@ class ProgressReading:
         if self._numeric_run:  # healthy logged steps are not candidates: look for one since the last bad
             last = self._last_bad
             after = last[1] + 1 if last is not None and last[0] == self._region else self._rs
-            if buf.find(_LOGGED, after, ls) >= 0:
+            if healthy_logged_step(buf, after, ls):
                 self._numeric_run.clear()
         what = _bad_value(m.group(1), zero_is_bad=True)
         if what is None:

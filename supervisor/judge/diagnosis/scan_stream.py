@@ -10,7 +10,6 @@ from supervisor.judge.diagnosis.rules import (
 )
 from supervisor.judge.diagnosis.scan_patterns import (
     _DIGITS,
-    _LOGGED,
     _PIECE_FILTER,
     _PREFILTER,
     _SAMPLE_END_RE,
@@ -28,6 +27,7 @@ from supervisor.judge.diagnosis.scan_patterns import (
     SHAPES,
     TB_GAP,
     WINDOW,
+    healthy_logged_step,
 )
 
 
@@ -190,10 +190,12 @@ class StreamReading:
     def _scan_plain(self, buf: bytes, start: int, end: int, fatal: list[Evidence]) -> None:
         self._region += 1
         self._scan_lines(buf, start, end, fatal)
+        if self._rich:  # a rich traceback's box still open: carry its bytes into the next read
+            self._carry_rich(buf, start, end)
         if self._numeric_run:  # a logged step after the last bad one (healthy: not a candidate) ends the run
             last = self._last_bad
             after = last[1] + 1 if last is not None and last[0] == self._region else start
-            if buf.find(_LOGGED, after, end) >= 0:
+            if healthy_logged_step(buf, after, end):
                 self._numeric_run.clear()
 
     def _scan_lines(self, buf: bytes, start: int, end: int, fatal: list[Evidence]) -> None:

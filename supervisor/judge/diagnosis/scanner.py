@@ -24,7 +24,7 @@ import re
 from collections import deque
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
-from supervisor.judge.diagnosis import rules
+from supervisor.judge.diagnosis import rules, scan_rich
 from supervisor.judge.diagnosis.conclude import conclude
 from supervisor.judge.diagnosis.families.gpu_memory import _PINNED_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
@@ -131,6 +131,8 @@ class LogScanner(StreamReading, ProgressReading):
         self._last_advance_line = 0
         self._sample_lines: deque[tuple[int, int]] = deque(maxlen=32)  # line ranges of printed samples
         self._scale_run: tuple[int, float, int, int] | None = None
+        self._rich: dict[int | None, tuple[int, int]] = {}  # rank -> (region, offset) of its open rich box
+        self._rich_body: dict[int | None, bytearray | None] = {}  # rank -> that box's bytes from earlier reads
 
     # ------------------------------------------------------------------ API
     @property
@@ -258,7 +260,8 @@ class LogScanner(StreamReading, ProgressReading):
             for hit in classify(seg):
                 self._record(hit, seg, line_no, buf, ls, [], "")
             return
-        if 'File "' in t or "Traceback" in t or (t.startswith("{") and "loss" in t) or _MARKER_GATE.search(t):
+        if ('File "' in t or "Traceback" in t or (t.startswith("{") and "loss" in t) or _MARKER_GATE.search(t)
+                or t.startswith(scan_rich.RICH_BOTTOM)):
             self._cacheable = False
         if 'File "' in t:
             fm = FRAME_RE.search(t)
@@ -279,10 +282,17 @@ class LogScanner(StreamReading, ProgressReading):
                 return
         if "Traceback (most recent call last)" in t:
             i = t.find("Traceback (most recent call last)")
-            if i > 0 and "%|" not in t[:i]:
+            rich = scan_rich.is_rich_header(t, i)
+            if i > 0 and "%|" not in t[:i] and not rich:
                 self._prefixes.learn(t[:i])  # this stream's prefix: read its next lines past it
                 seg = split_prefix(raw, self._prefixes)
             self._open_traceback(seg.rank, line_no, cut=False)
+            if rich:
+                self._rich[seg.rank] = (self._region, ls)
+                self._rich_body[seg.rank] = bytearray()
+            return
+        if t.startswith(scan_rich.RICH_BOTTOM) and self._rich and scan_rich.is_box_bottom(t):
+            self._close_rich(seg.rank, line_no, buf, ls)
             return
         if "above exception" in t and ("During handling of the above exception" in t
                                        or "The above exception was the direct cause" in t):
@@ -326,6 +336,34 @@ class LogScanner(StreamReading, ProgressReading):
             self._frames.pop(None, None)
         if seg.exc is not None and self._tb_phases.pop(seg.rank, None) is None and seg.rank is not None:
             self._tb_phases.pop(None, None)
+
+    def _close_rich(self, rank: int | None, line_no: int, buf: bytes, ls: int) -> None:
+        """A rich traceback's box ends: its frames are that traceback's, and the exception line after
+        the edge closes it (scan_rich.py). The box's bytes from earlier reads were carried along."""
+        key = rank if rank in self._rich else (None if None in self._rich else rank)
+        opened = self._rich.pop(key, None)
+        carried = self._rich_body.pop(key, None)
+        if opened is None or key not in self._tb_at:
+            return
+        begin = opened[1] if opened[0] == self._region else self._rs
+        if carried is not None and len(carried) + ls - begin <= scan_rich.MAX_BOX_BYTES:
+            frames = self._frames.setdefault(key, deque(maxlen=MAX_FRAMES))
+            for func, path in scan_rich.frames((bytes(carried) + buf[begin:ls]).decode("utf-8", "replace")):
+                frames.append((func, path))
+                if func in FRAME_PHASES:
+                    self._tb_phases.setdefault(key, set()).add(FRAME_PHASES[func])
+        self._tb_at[key] = line_no
+
+    def _carry_rich(self, buf: bytes, start: int, end: int) -> None:
+        """Keep the bytes of an open rich box past the end of this read (bounded): chunking must not
+        change which frames its traceback has."""
+        for key, (region, off) in self._rich.items():
+            body = self._rich_body.get(key)
+            if body is None:
+                continue
+            body += buf[off if region == self._region else start:end]
+            if len(body) > scan_rich.MAX_BOX_BYTES:
+                self._rich_body[key] = None  # too long for a box: its frames are not read
 
     def _open_traceback(self, rank: int | None, line_no: int, *, cut: bool) -> None:
         """A traceback begins (its header, or a frame whose header is not in the log)."""

@@ -42,6 +42,8 @@ _NOISE_RE = re.compile(
       # interpreter shutdown, wandb, warnings, shells, markdown fences
       | wandb: | \S+\.py:\d+:\ \w*Warning: | warnings\.warn\( | \w*Warning:
       | Error\ executing\ job\ with\ overrides | Set\ the\ environment\ variable\ HYDRA_FULL_ERROR
+      | full_key:\ | object_type=                                  # omegaconf's detail under its error
+      | Caused\ by\ op\ '[^']*',\ defined\ at: | \[\[\{*node\               # TensorFlow's op location
       | \(?[\w.-]*\)?\s*[\w.-]+@[\w.-]+[:\s].*[$#%]\s | [$#%>]\s*$ | ```
     )""",
     re.VERBOSE,
@@ -52,6 +54,10 @@ _CODE_LINE_RE = re.compile(r"^\s{2,}\S")  # a traceback's source line (indented)
 # The program going on: a progress bar, a logged step. Never noise, never an error's message.
 _PROGRESS_RE = re.compile(r"\d%\||\d+/\d+ \[[\d:]+<|^\{['\"]\w+['\"]:\s*[-\d.]|^\{['\"](?:loss|eval_\w+|train_\w+)['\"]:")
 _SHELL_KILLED_RE = re.compile(r"(?:^|\])\s*\S+$")
+# rich's logging handler: "[time] LEVEL    message    file.py:LINE", a long message wrapped onto lines
+# indented to its column. Such a record is one line of the log: its head says what it is.
+_RICH_LOG_HEAD_RE = re.compile(r"^\s*(?:\[?\d[\d/:.\- ]*\]?\s+)?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s{2,}\S")
+_RICH_LOG_CONT_RE = re.compile(r"^\s{20,}\S")
 
 
 def clean(text: str, prefixes: tuple[str, ...]) -> str:
@@ -84,6 +90,7 @@ def final_block(tail: list[tuple[int, str]], prefixes: tuple[str, ...],
     the exception line whose message it continues (at most MESSAGE_LINES above). None when the tail
     holds nothing but noise. The caller decides whether that block holds an error."""
     kinds: list[tuple[int, str, bool]] = []  # (line, cleaned text, noise)
+    raws = [raw for _, raw in tail]
     after_frame = False
     for n, raw in tail:
         t = clean(raw, prefixes)
@@ -104,4 +111,16 @@ def final_block(tail: list[tuple[int, str]], prefixes: tuple[str, ...],
             break  # the block is contiguous: noise or progress before it belongs to something else
         if exception_class(kinds[i][1]) is not None:
             first = i  # the earliest exception line: later ones are its message (NCCL, chained texts)
+    if first == last and _RICH_LOG_CONT_RE.match(raws[last]):
+        first = _rich_record_head(raws, last)
     return kinds[first][0], end_line
+
+
+def _rich_record_head(raws: list[str], last: int) -> int:
+    """The head line of the rich log record whose wrapped continuation `raws[last]` is, else `last`."""
+    for i in range(last - 1, max(-1, last - MESSAGE_LINES - 1), -1):
+        if _RICH_LOG_HEAD_RE.match(raws[i]):
+            return i
+        if not _RICH_LOG_CONT_RE.match(raws[i]):
+            break
+    return last

@@ -30,6 +30,7 @@ _SUBKIND_WORDS = {
     "pinned": "pinned (page-locked) host memory",
     "python_memory_error": "Python MemoryError",
     "bad_alloc": "C++ std::bad_alloc",
+    "enomem": "the OS refused memory (ENOMEM)",
     "oom_killer": "killed by the kernel OOM killer",
 }
 

@@ -1,12 +1,19 @@
 """The user's configuration: unknown keys, models, datasets and templates not found, DeepSpeed's
-config checks, allocator options, checkpoints that cannot be loaded, a non-empty output folder."""
+config checks, allocator options, checkpoints that cannot be loaded, a non-empty output folder.
+
+Where config_error ends and crash_other (a bug) begins: the exception's class AND what its message
+says it checked. A framework's own config/argument validation (Lightning's Misconfiguration,
+pydantic/omegaconf/yacs/hydra config models, a registry lookup, DeepSpeed's batch identity, an
+`X must be one of`, a 'Please set `key`') and a checkpoint whose shapes do not fit the model
+are the user's configuration. A TypeError/AttributeError/ImportError from a version mismatch is not.
+"""
 
 from __future__ import annotations
 
 import re
 
 from supervisor.core.models import Category
-from supervisor.judge.diagnosis.hits import ROOT, Hit, Segment
+from supervisor.judge.diagnosis.hits import HINT, ROOT, Hit, Segment
 
 # --- config ---------------------------------------------------------------
 _CONFIG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -39,6 +46,45 @@ _CONFIG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("incomplete_checkpoint", re.compile(r"checkpoint-\d+/trainer_state\.json")),
     ("output_dir", re.compile(r"Output directory \S+ already exists and is not empty")),
 )
+# A framework's own configuration checks, told by the exception's class (any message).
+_CHECK_CLASSES = frozenset({
+    "MisconfigurationException", "ConfigAttributeError", "ConfigKeyError", "ConfigTypeError",
+    "ConfigCompositionException", "OverrideParseException", "MissingMandatoryValue",
+})
+# A pydantic model of a configuration (DeepSpeed's, axolotl's, a trainer's arguments) refused it.
+_CONFIG_MODEL_RE = re.compile(r"validation errors? for \w*(?:Config|Arg|Param|Setting|Option)")
+# Messages of config checks, whatever class carries them (ValueError, AssertionError, KeyError, ...).
+_CHECK_MESSAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # load_state_dict: a checkpoint of another model, vocabulary or LoRA rank than the one built
+    ("checkpoint_mismatch", re.compile(r"Error\(s\) in loading state_dict for|size mismatch for \S+: copying a param")),
+    # DeepSpeed: train_batch_size == micro_batch_per_gpu * gradient_acc_step * world_size
+    ("batch_size_mismatch", re.compile(r"Check batch related parameters")),
+    # yacs, omegaconf/hydra, mmcv/mmengine registries: a key or a type name the config gives is unknown
+    ("unknown_keys", re.compile(r"Non-existent config key|is not in struct|Could not override '"
+                                r"|is not in the (?:\S+ )?registry")),
+    (
+        "invalid_arguments",
+        re.compile(
+            r"[Pp]lease (?:set|specify|provide|pass|select) `|(?:[Mm]ust|[Nn]eeds? to|[Ss]hould) be one of"
+            r"|is not a valid [A-Z]\w+|[Yy]ou selected an invalid|(?:should|must) be divisible by|is not divisible by"
+            r"|is not compatible with|can only work with|mixed precision requires|`--\w+` arg cannot be"
+            r"|remaining_argv: \[|\bTarget modules? .*(?:not found in the base model|is not supported)"
+            r"|Error: Target module \w+\($|You can't train a model that has been loaded in"
+            r"|Attempting to unscale FP16 gradients|in the [Dd]eep[Ss]peed config"
+        ),
+    ),
+)
+# A path the user gave (a dataset, its labels, a checkpoint, a folder) that is not there.
+_NOT_FOUND_EXCS = frozenset({"FileNotFoundError", "NotADirectoryError", "IsADirectoryError"})
+# ...unless it is a program or a library the environment lacks (a compiler, a shared object): not the config.
+_TOOL_OR_LIB_RE = re.compile(r"\.(?:so|dll|dylib)\b|'(?:nvcc|ninja|git|gcc|g\+\+|cc|c\+\+|make|cmake|ldconfig|nvidia-smi)'"
+                             r"|/bin/|Could not find module")
+_CHECK_CARRIERS = frozenset({"ValueError", "AssertionError", "KeyError", "RuntimeError", "Exception"})
+# Said outside an exception line: a load_state_dict message line, hydra's refusal, a script's own check.
+_CHECK_MENTION_RE = re.compile(r"size mismatch for \S+: copying a param with shape|Please verify arguments"
+                               # the end of a long check message (PEFT's target module, printed as a repr)
+                               r"|\) is not supported\. Currently, only the following \w+ are supported"
+                               r"|^Key '[^']*' is not in struct|^Could not override '")
 
 
 def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
@@ -48,4 +94,21 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
         m = rx.search(t)
         if m and (exc_form or name in ("deepspeed_config", "unknown_keys")):
             hits.append(Hit(name, Category.CONFIG_ERROR, ROOT, name, exc=seg.exc))
-            break
+            return
+    if hits:
+        return
+    if exc_form:
+        if exc in _CHECK_CLASSES or (exc == "ValidationError" and _CONFIG_MODEL_RE.search(t)):
+            hits.append(Hit("config_check", Category.CONFIG_ERROR, ROOT, "invalid_config", exc=seg.exc))
+            return
+        if exc in _NOT_FOUND_EXCS and not _TOOL_OR_LIB_RE.search(t):
+            hits.append(Hit("path_not_found", Category.CONFIG_ERROR, ROOT, "path_not_found", exc=seg.exc))
+            return
+        if exc in _CHECK_CARRIERS:
+            for name, rx in _CHECK_MESSAGES:
+                if rx.search(t):
+                    hits.append(Hit(name, Category.CONFIG_ERROR, ROOT, name, exc=seg.exc))
+                    return
+    elif _CHECK_MENTION_RE.search(t):
+        # Structural only as the final error of the log (conclude promotes a *_mention there).
+        hits.append(Hit("config_check_mention", Category.CONFIG_ERROR, HINT, "invalid_config"))

@@ -30,7 +30,9 @@ _LOCAL_RANK_RE = re.compile(r"local_rank:\s*(\d+)")
 _SEGV_RE = re.compile(r"Segmentation fault|SIGSEGV|exitcode\s*:?\s*-11\b|Signal 11\b")
 _ABORT_RE = re.compile(r"Aborted \(core dumped\)|SIGABRT|exitcode\s*:?\s*-6\b|Signal 6\b|Fatal Python error: Aborted|terminate called after throwing")
 _BUS_RE = re.compile(r"[Bb]us error|SIGBUS")
-_DEVICE_ASSERT_RE = re.compile(r"device-side assert triggered")
+# The host's message, or the kernel's own printf before it (an index or class id out of range: data or code).
+_DEVICE_ASSERT_RE = re.compile(r"device-side assert triggered"
+                               r"|\.cuh?:\d+: \w+: block: \[\d+,\d+,\d+\], thread: \[\d+,\d+,\d+\] Assertion `")
 _CHILD_FAILED_RE = re.compile(r"ChildFailedError")
 
 # Exceptions that are consequences or launcher noise, not a crash cause of their own.

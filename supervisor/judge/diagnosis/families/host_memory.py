@@ -18,6 +18,9 @@ _SHM_RE = re.compile(r"insufficient shared memory|out of shared memory|killed by
                      r"|unable to write to file </torch_\w+>")
 _CPU_TRIED_RE = re.compile(r"you tried to allocate (\d+) bytes")
 _BAD_ALLOC_RE = re.compile(r"std::bad_alloc")
+# The OS refused memory (ENOMEM: a fork of a large process, an mmap), Arrow's allocator failed.
+_ENOMEM_RE = re.compile(r"\[Errno 12\]\s*Cannot allocate memory")
+_HOST_ALLOC_EXCS = frozenset({"MemoryError", "ArrowMemoryError"})
 
 
 def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
@@ -37,7 +40,9 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     if "posix_memalign" in t and _CPU_ALLOC_RE.search(t) and not any(h.rule == "cpu_alloc" for h in hits):
         hits.append(Hit("cpu_alloc" if exc_form else "cpu_alloc_mention", Category.HOST_OOM,
                         ROOT if exc_form else HINT, "cpu_allocator", fatal=exc_form, vendor="cpu", exc=seg.exc))
-    if exc == "MemoryError":
+    if exc_form and "Errno 12" in t and _ENOMEM_RE.search(t):
+        hits.append(Hit("enomem", Category.HOST_OOM, ROOT, "enomem", fatal=True, vendor="cpu", exc=seg.exc))
+    if exc in _HOST_ALLOC_EXCS:
         hits.append(Hit("memory_error", Category.HOST_OOM, ROOT, "python_memory_error", fatal=True, vendor="cpu", exc=seg.exc))
     if "bad_alloc" in t and _BAD_ALLOC_RE.search(t):
         hits.append(Hit("bad_alloc", Category.HOST_OOM, ROOT, "bad_alloc", fatal=True, vendor="cpu"))

@@ -10,7 +10,9 @@ from supervisor.judge.diagnosis.hits import HINT, ROOT, Hit, Segment
 # --- numeric --------------------------------------------------------------
 _LOSS_SCALE_MIN_RE = re.compile(r"Current loss scale already at minimum")
 _NAN_DETECTED_RE = re.compile(
-    r"returned nan values in its \d+\w* output|Loss is (?:nan|inf)\b|non-finite loss|[Ll]oss became (?:NaN|nan|inf)"
+    r"returned nan values in its \d+\w* output|[Ll]oss is (?:nan|NaN|inf)\b|[Ll]oss became (?:NaN|nan|inf)|non-finite loss"
+    # Keras' TerminateOnNaN; TensorFlow's CheckNumerics; Megatron's rerun state machine
+    r"|Invalid loss, terminating training|Tensor had (?:NaN|Inf) values|found NaN in (?:local )?grad norm"
 )
 _NAN_LOSS_RE = re.compile(r"""['"]loss['"]:\s*(?:nan|-?inf)\b|loss\w*\s*[=:]\s*(?:nan|-?inf)\b""")
 
@@ -21,6 +23,8 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     if _LOSS_SCALE_MIN_RE.search(t):
         hits.append(Hit("loss_scale_min", Category.NUMERIC, ROOT, "loss_scale_at_minimum", exc=seg.exc))
     elif _NAN_DETECTED_RE.search(t):
-        hits.append(Hit("nan_detected", Category.NUMERIC, ROOT if exc_form else HINT, "nan_detected", exc=seg.exc))
+        # Said outside an exception: structural only as the final error of the log (a *_mention).
+        hits.append(Hit("nan_detected" if exc_form else "nan_detected_mention", Category.NUMERIC,
+                        ROOT if exc_form else HINT, "nan_detected", exc=seg.exc))
     elif ("nan" in t or "inf" in t) and _NAN_LOSS_RE.search(t):
         hits.append(Hit("nan_loss", Category.NUMERIC, HINT, "nan_loss"))
