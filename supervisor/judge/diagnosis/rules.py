@@ -253,6 +253,9 @@ _RULE_TRIGGERS = (
     "name resolution", "NameResolution", "Failed to resolve", "service not known", "TimeoutError", "MaxRetryError",
     "ConnectionError", "Connection aborted", "connect to", "unreachable", "HTTP Error 50", "Server Error",
     "check your connection", "Internet connection", "SSLError", "ProxyError",
+    # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
+    "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",
+    "net_ib.cc:", "ibvwrap.cc:", "socketPollConnect",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 
