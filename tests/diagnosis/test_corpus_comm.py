@@ -90,3 +90,9 @@ def test_a_retry_that_is_not_the_last_and_a_call_that_returned_success_do_not_ac
     """NCCL retries a connect while the peer starts; "-> 0" is not an error code."""
     log = (RETRY % (3, 300) + b"nd20-01:191191:219889 [0] NCCL INFO misc/socket.cc:564 -> 0\n") * 2 + HEALTHY
     assert diagnose_bytes(log, ExitRecord(returncode=1)).category is Category.UNKNOWN
+
+
+def test_a_connect_failure_that_training_went_past_does_not_act():
+    """Text alone, then logged steps: whatever NCCL said, the run trained on (rule 8)."""
+    d = diagnose_bytes(NCCLTESTS_166 + HEALTHY, ExitRecord(returncode=1))
+    assert d.category is Category.UNKNOWN, d.summary

@@ -256,6 +256,7 @@ _RULE_TRIGGERS = (
     # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",
     "net_ib.cc:", "ibvwrap.cc:", "socketPollConnect",
+    "Max retries exceeded", "Failed to establish a new connection",  # families/environment.py
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 

@@ -14,6 +14,13 @@ _ENV_RE = re.compile(
     r"|We couldn't connect to '?https?://|couldn't connect to|Network is unreachable|HTTP Error 50[234]|50[234] Server Error"
     r"|check your connection|Please check your connection|Internet connection|SSLError|ProxyError"
 )
+# urllib3/requests' own account of a request that never got an answer (huggingface_hub logs it as a
+# warning, "'(MaxRetryError(...))' thrown while requesting HEAD ..."): the network failed, said
+# outside any exception line; a hint, read when nothing stronger explains the end.
+_HTTP_FAIL_RE = re.compile(
+    r"Max retries exceeded with url|Failed to establish a new connection"
+    r"|Caused by (?:NewConnection|ConnectTimeout|ReadTimeout|NameResolution|Proxy|SSL)Error"
+)
 # LocalEntryNotFoundError under HF_HUB_OFFLINE (or local_files_only) means "not cached": a config error.
 _OFFLINE_RE = re.compile(r"outgoing traffic has been disabled|HF_HUB_OFFLINE|local_files_only=True|offline mode")
 
@@ -23,7 +30,7 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     True when no later family may speak (a network failure is not a config error)."""
     # Transient environment failures, before config: a hub lookup that failed for want of a network.
     # (A connection between ranks - c10d store, rendezvous, NCCL - stays a comm failure.)
-    if (_ENV_RE.search(t) and not _OFFLINE_RE.search(t) and (exc_form or "LocalEntryNotFoundError" in t)
+    if (_ENV_RE.search(t) and not _OFFLINE_RE.search(t) and (exc_form or "LocalEntryNotFoundError" in t or _HTTP_FAIL_RE.search(t))
             and not any(h.category is Category.COMM_FAILURE for h in hits)):
         hits.append(Hit("environment", Category.ENVIRONMENT, ROOT, "network", exc=seg.exc))
         return True
