@@ -6,6 +6,7 @@ import re
 
 from supervisor.core.models import Category
 from supervisor.judge.diagnosis.hits import ROOT, Hit, Segment
+from supervisor.judge.diagnosis.kernel import log_fault
 
 # --- device faults --------------------------------------------------------
 _DEVICE_RULES: tuple[tuple[str, re.Pattern[str], str | None], ...] = (
@@ -25,7 +26,13 @@ _DEVICE_RULES: tuple[tuple[str, re.Pattern[str], str | None], ...] = (
 
 def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
     """Append this family's hits for one segment (`t` its text, `exc` its short exception class)."""
-    # Device faults.
+    # Device faults. A kernel line pasted into the log (dmesg, the journal) in the kernel's own shape
+    # first: the scanner weighs it as a runtime's own report (kernel.log_fault decides the shape).
+    k = log_fault(t)
+    if k is not None:
+        hits.append(Hit(f"kernel_{k.subkind}", Category.DEVICE_FAULT, ROOT, k.subkind, fatal=True, vendor=k.vendor,
+                        numbers={"xid": k.code} if k.code is not None else {}))
+        return
     for name, rx, vendor in _DEVICE_RULES:
         if rx.search(t):
             hits.append(Hit(name, Category.DEVICE_FAULT, ROOT, name, fatal=True, vendor=vendor, exc=seg.exc))
