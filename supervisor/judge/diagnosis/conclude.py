@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, teardown
+from supervisor.judge.diagnosis.families import hang
 from supervisor.judge.diagnosis.families.crash import _SIGKILL_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.hits import COMM, CRASH, HINT, MARKER, ROOT, Hit
@@ -472,6 +473,23 @@ def _signal_or_hint(c: _Case) -> Diagnosis | None:
     return _hint_diagnosis(hint, c.state) if hint is not None else None
 
 
+def _stalled(c: _Case) -> Diagnosis | None:
+    """Nothing recognised, exit status unknown (a pasted log), and the log stops mid-way (loading,
+    a bar, the process group forming): it stopped making progress. Said as a likely cause."""
+    if c.exit is not None:
+        return None
+    at = hang.stalled_at(c.state.program_tail(), c.state.prefixes)
+    if at is None:
+        return None
+    line_no, text = at
+    return dataclasses.replace(
+        plain(Category.HANG, "stalled_log",
+              f"The log stops at line {line_no} ({text[:160]!r}) with no error, kill or exit after it: the run"
+              " stopped making progress (or was stopped without a word; its exit status is unknown)."
+              + c.last_step(), c.state, tail_evidence(c.state, 2)),
+        strength="hint")
+
+
 def _nothing_recognised(c: _Case) -> Diagnosis:
     rc = c.exit.returncode if c.exit is not None else None
     if rc is None:
@@ -494,6 +512,7 @@ STEPS = (
     _likely_oom_kill,     # 4. a kill the log reports, nothing measured: a likely host OOM (hint)
     _unexplained_kill,    #    any other kill: crash_other/sigkill_unexplained
     _signal_or_hint,      # 6. a fatal signal, then hints
+    _stalled,             #    a pasted log that stops mid-way with nothing after: a likely hang (hint)
     _nothing_recognised,  #    unknown
 )
 
