@@ -24,6 +24,7 @@ from supervisor.judge.diagnosis.families import (
     disk,
     environment,
     gpu_memory,
+    hedge,
     host_memory,
     numeric,
 )
@@ -272,6 +273,7 @@ KEYWORDS: tuple[str, ...] = tuple(
 # and `disk` follow the memory, device and comm families; `crash` (kills, segfaults, any other
 # exception) is the fallback and speaks for an exception only when nothing else did.
 FAMILIES = (
+    hedge.find,  # a list of possible causes (Ray's dead-worker report) is no family's evidence
     gpu_memory.find,
     host_memory.find,
     device.find,
