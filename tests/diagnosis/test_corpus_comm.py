@@ -96,3 +96,18 @@ def test_a_connect_failure_that_training_went_past_does_not_act():
     """Text alone, then logged steps: whatever NCCL said, the run trained on (rule 8)."""
     d = diagnose_bytes(NCCLTESTS_166 + HEALTHY, ExitRecord(returncode=1))
     assert d.category is Category.UNKNOWN, d.summary
+
+
+def test_the_same_failures_in_their_other_library_words():
+    """Beyond the corpus: the libraries' own messages for the same failures (NCCL's bootstrap without
+    an interface, gloo's pair reset and recv timeout, c10d's server socket), as they print them."""
+    lines = (
+        b"node1:123:123 [0] bootstrap.cc:41 NCCL WARN Bootstrap : no socket interface found\n",
+        b"RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:575] Connection reset by peer\n",
+        (b"RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:84] Timed out waiting 1800000ms"
+        b" for recv operation to complete\n"),
+        b"[E socket.cpp:462] [c10d] The server socket has failed to listen on any local network address.\n",
+    )
+    for line in lines:
+        d = diagnose_bytes(line, None)
+        assert d.category is Category.COMM_FAILURE, (line, d.summary)

@@ -59,3 +59,13 @@ def test_the_same_words_outside_the_kernels_shape_are_text():
 def test_a_fault_that_training_went_past_does_not_decide():
     d = diagnose_bytes(JOURNAL_PAGE_FAULT + HEALTHY, ExitRecord(returncode=1))
     assert d.category is not Category.DEVICE_FAULT, d.summary
+
+
+def test_other_kernel_device_reports_in_the_same_shape():
+    """Beyond the corpus: Linux's own ring-timeout line and an uncorrected PCIe error, as dmesg prints them."""
+    for line, sub in (((b"[ 5123.123456] [drm:amdgpu_job_timedout [amdgpu]] *ERROR* ring gfx timeout, signaled seq=1,"
+                       b" emitted seq=3\n"), "gpu_hang"),
+                      ((b"[ 1234.567890] pcieport 0000:00:01.1: AER: Uncorrected (Fatal) error received:"
+                       b" 0000:01:00.0\n"), "pcie_aer")):
+        d = diagnose_bytes(line, None)
+        assert (d.category, d.subkind) == (Category.DEVICE_FAULT, sub), d.summary

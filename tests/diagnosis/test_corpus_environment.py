@@ -45,3 +45,13 @@ def test_training_that_went_on_after_the_warning_shows_it_was_survived():
     """huggingface_hub falls back to the cached file and the run trains: the warning did not end it."""
     d = diagnose_bytes(CLV_2 + HEALTHY, ExitRecord(returncode=1))
     assert d.category is Category.UNKNOWN, d.summary
+
+
+def test_other_network_failures_in_their_own_words():
+    """Beyond the corpus: requests' read timeout, a refused connection, git's failed DNS lookup."""
+    for log in ((b"Traceback (most recent call last):\n  File \"a.py\", line 1, in <module>\n"
+                b"requests.exceptions.ReadTimeout: HTTPSConnectionPool(host='huggingface.co', port=443): Read timed"
+                b" out. (read timeout=10)\n"),
+                b"fatal: unable to access 'https://github.com/x/y.git/': Could not resolve host: github.com\n"):
+        d = diagnose_bytes(log, None)
+        assert d.category is Category.ENVIRONMENT, d.summary

@@ -50,3 +50,11 @@ def test_a_pasted_log_that_ends_on_a_training_bar_is_not_a_hang():
     """The excerpt stops, not necessarily the run (a healthy report often ends on its bar)."""
     bars = b"".join(b"  %d%%|#   | %d/100 [00:10<00:10,  5.00it/s]\n" % (i, i) for i in range(1, 9))
     assert diagnose_bytes(bars, None).category is Category.UNKNOWN
+
+
+def test_other_start_up_lines_it_stops_at():
+    """Beyond the corpus: newer Lightning's start-up line; c10d waiting for the other ranks."""
+    for log in (b"Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2\n",
+                (b"INFO:torch.distributed.distributed_c10d:Waiting in store based barrier to initialize process group"
+                b" for rank: 0, key: store_based_barrier_key:1 (world_size=2, worker_count=1, timeout=0:30:00)\n")):
+        assert diagnose_bytes(log, None).category is Category.HANG

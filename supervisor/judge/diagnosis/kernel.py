@@ -96,7 +96,8 @@ _LOG_FAULT_RE = re.compile(
     rf"|amdgpu {_PCI}: (?P<iommu>AMD-Vi: Event logged \[IO_PAGE_FAULT)"
     # a job that never finished on a ring, the reset that follows, or another amdgpu report kernel.py reads
     r"|(?P<ring>\[drm(?::| ERROR :)amdgpu_job_timedout\b.*\bring \S+ timeout)"
-    rf"|(?P<amd>(?:amdgpu {_PCI}: (?:amdgpu: )?|drmn\d+: ).*)"
+    rf"|amdgpu {_PCI}: (?:amdgpu: )?(?P<gcn>GPU fault detected)"
+    rf"|(?P<dev>(?:[\w-]+ {_PCI}: |drmn\d+: ).*)"
     r"|(?P<nv>NVRM: .*)"
     r")"
 )
@@ -106,12 +107,12 @@ def log_fault(text: str) -> KernelFault | None:
     """A device fault in a kernel line pasted into the job's log (its prefixes stripped), or None.
     Unlike the kernel window (device_faults), an application-class Xid counts: a GPU page fault is
     the kernel's view of the same fault a runtime calls an illegal memory access."""
-    if "amdgpu" not in text and "NVRM" not in text and "drm" not in text:
+    if "amdgpu" not in text and "NVRM" not in text and "drm" not in text and "AER" not in text:
         return None
     m = _LOG_FAULT_RE.match(text)
     if m is None:
         return None
-    if m.group("page"):
+    if m.group("page") or m.group("gcn"):
         return KernelFault("gpu_page_fault", "hip", text[:2000])
     if m.group("iommu"):
         return KernelFault("iommu_page_fault", "hip", text[:2000])

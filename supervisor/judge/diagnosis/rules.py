@@ -258,7 +258,8 @@ _RULE_TRIGGERS = (
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",
     "net_ib.cc:", "ibvwrap.cc:", "socketPollConnect",
     "Max retries exceeded", "Failed to establish a new connection",  # families/environment.py
-    "page fault", "PAGE_FAULT", "job_timedout", "GPU reset",  # kernel lines pasted into a log (kernel.py)
+    "page fault", "PAGE_FAULT", "job_timedout", "GPU reset", "GPU fault detected", "AER:",  # kernel lines (kernel.py)
+    "server socket", "resolve host", "ReadTimeout", "ConnectTimeout", "Read timed out",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 

@@ -35,7 +35,8 @@ _SOCKET_RE = re.compile(
     r"|Timed out initializing process group in store based barrier|store->\w+\(.*\) got error"
     r"|\[c10d\].*client socket has (?:failed to connect|timed out)"
     # gloo's TCP pair lost its peer (the other rank died or the link dropped)
-    r"|gloo\S*.*Connection closed by peer"
+    r"|gloo\S*.*(?:Connection closed by peer|Connection reset by peer|Connection refused|Timed out waiting \d+ms)"
+    r"|\[c10d\].*server socket has failed to (?:listen|bind)"
 )
 # NCCL/RCCL's own network failures, said by their WARN lines (socket, bootstrap, IB verbs, proxy
 # connect) or, when no WARN was printed, by the error codes a failed call returns up the stack
@@ -46,7 +47,8 @@ _NCCL_NET_RE = re.compile(
     r"|Connect to \S+ failed|socket(?:StartConnect|PollConnect|Progress|Accept|Recv|Send)\w*:"
     r"|Network is unreachable|No route to host|Software caused connection abort|Connection timed out"
     r"|\bbootstrap\w*\b.*(?:fail|error|timeout)|\bibv_\w+ failed|Got completion from peer\b.*\bstatus=[1-9]"
-    r"|Socket recv failed|Failed to execute operation Connect)"
+    r"|Socket recv failed|Failed to execute operation Connect|no socket interface found"
+    r"|NET/IB\s*:.*(?:\berror\b|failed|Got async event))"
     r"|\b[NR]CCL INFO (?:\S*/)?(?:socket|bootstrap|net_socket|net_ib|ibvwrap)\.cc:\d+ -> [1-9]\d*\b"
     # retries to reach a peer used up: socketPollConnect's "retrying (34/34)"
     r"|socketPollConnect: connect returned .*retrying \((\d+)/\1\)"

@@ -13,6 +13,8 @@ _ENV_RE = re.compile(
     r"|ReadTimeoutError|ConnectTimeoutError|MaxRetryError|ConnectionError|ConnectionResetError|Connection aborted"
     r"|We couldn't connect to '?https?://|couldn't connect to|Network is unreachable|HTTP Error 50[234]|50[234] Server Error"
     r"|check your connection|Please check your connection|Internet connection|SSLError|ProxyError"
+    r"|\bReadTimeout\b|\bConnectTimeout\b|Read timed out|ConnectionRefusedError|urlopen error"
+    r"|429 Client Error|Could not resolve host"
 )
 # urllib3/requests' own account of a request that never got an answer (huggingface_hub logs it as a
 # warning, "'(MaxRetryError(...))' thrown while requesting HEAD ..."): the network failed, said
@@ -20,6 +22,8 @@ _ENV_RE = re.compile(
 _HTTP_FAIL_RE = re.compile(
     r"Max retries exceeded with url|Failed to establish a new connection"
     r"|Caused by (?:NewConnection|ConnectTimeout|ReadTimeout|NameResolution|Proxy|SSL)Error"
+    # curl, git and wget say a failed lookup in their own words
+    r"|Could not resolve host|failed: (?:Temporary failure in name resolution|Name or service not known)"
 )
 # LocalEntryNotFoundError under HF_HUB_OFFLINE (or local_files_only) means "not cached": a config error.
 _OFFLINE_RE = re.compile(r"outgoing traffic has been disabled|HF_HUB_OFFLINE|local_files_only=True|offline mode")

@@ -14,7 +14,8 @@ from supervisor.judge.diagnosis import teardown
 # run often ends on it (the excerpt stops, not the run).
 _STALL_RE = re.compile(
     r"checkpoint shards\b|[Ll]oading (?:weights|model|checkpoint)\b"
-    r"|\binitiali[sz]ing (?:ddp|distributed|process group)|\bMEMBER: \d+/\d+"
+    r"|\b[Ii]nitiali[sz]ing (?:ddp|distributed|process group|TorchBackend)|\bMEMBER: \d+/\d+"
+    r"|Waiting in store based barrier"
 )
 # A logged step dict ends many logs whose run failed numerically: it is a value, not a stall.
 _LOGGED_STEP_RE = re.compile(r"^\{['\"]\w+['\"]:")
