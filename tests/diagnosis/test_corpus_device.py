@@ -69,3 +69,24 @@ def test_other_kernel_device_reports_in_the_same_shape():
                        b" 0000:01:00.0\n"), "pcie_aer")):
         d = diagnose_bytes(line, None)
         assert (d.category, d.subkind) == (Category.DEVICE_FAULT, sub), d.summary
+
+
+# NVIDIA/apex#124 (device_fault_apex_fp16_thcudacheck_misaligned_address): THC's own check line, then
+# the traceback it raised, cut by the paste before its exception line.
+APEX_124 = (
+    b"THCudaCheck FAIL file=/pytorch/aten/src/THC/THCTensorCopy.cu line=84 error=74 : misaligned address\n"
+    b"Traceback (most recent call last):\n"
+    b'  File "full_main.py", line 394, in <module>\n'
+    b"    full_main()\n"
+    b'  File "full_main.py", line 184, in full_main\n'
+    b"    loss = train(train_loader, model, criterion, optimizer, epoch, log_training,args.fp16)\n"
+)
+
+
+def test_the_thc_runtime_check_line_is_the_runtimes_own_report():
+    for exit in (None, ExitRecord(returncode=1)):
+        d = diagnose_bytes(APEX_124, exit)
+        assert d.category is Category.DEVICE_FAULT, d.summary
+    check = APEX_124.split(b"\n", 1)[0] + b"\n"
+    assert diagnose_bytes(sample_block(check), ExitRecord(returncode=1)).category is Category.UNKNOWN
+    assert diagnose_bytes(check + HEALTHY, ExitRecord(returncode=1)).category is not Category.DEVICE_FAULT

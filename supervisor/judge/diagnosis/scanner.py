@@ -382,6 +382,8 @@ class LogScanner(StreamReading, ProgressReading):
             return "runtime"
         if kernel.log_fault(t) is not None:  # the kernel's own device-fault line, pasted from dmesg
             return "runtime"
+        if t.startswith("THCudaCheck FAIL "):  # the THC runtime's own check, printed as it raises
+            return "runtime"
         return ""
 
     def _track_markers(self, t: str, line_no: int, buf: bytes, ls: int) -> None:

@@ -18,7 +18,9 @@ _DEVICE_RULES: tuple[tuple[str, re.Pattern[str], str | None], ...] = (
     ("xid", re.compile(r"\bNVRM: Xid\b|\bXid \(PCI:"), "cuda"),
     ("fallen_off_bus", re.compile(r"fallen off the bus"), None),
     ("launch_failure", re.compile(r"unspecified launch failure|\bhipErrorLaunchFailure\b"), None),
-    ("kernel_fault", re.compile(r"(?:CUDA|HIP) error: (?:misaligned address|an illegal instruction was encountered)"), None),
+    # also the THC era's "THCudaCheck FAIL ... error=74 : misaligned address" / "cuda runtime error (74) : ..."
+    ("kernel_fault", re.compile(r"(?:(?:CUDA|HIP) error:|\berror=\d+ :|runtime error \(\d+\) :)"
+                                r" (?:misaligned address|an illegal instruction was encountered)"), None),
     # nvidia-smi / NVML can no longer reach the GPU: it fell off the bus or its driver state is lost.
     ("gpu_lost", re.compile(r"Unable to determine the device handle for (?:GPU|gpu)|\bGPU is lost\b"), "cuda"),
 )
