@@ -33,7 +33,9 @@ Root-cause order (documented here, tested in tests/diagnosis):
      attempt (structural or a hint) is the hang's likely cause ("a hang after an OOM on rank N at
      line L"); a watchdog's own line, a hint, refines it to comm_failure.
   6. Otherwise exit-signal facts (segfault, abort, SIGTERM), then HINTS (free text outside
-     a traceback: strength "hint"; a terminal category becomes crash_other), then unknown.
+     a traceback: strength "hint"; a terminal category becomes crash_other; an environment or
+     comm line that training advanced past does not count), then a pasted log (no exit record)
+     that stops while loading or starting up: hang (hint), then unknown.
 
 GPU OOM derived numbers:
   shortfall = max(0, tried_to_allocate - usable), where usable is `free`, or,
