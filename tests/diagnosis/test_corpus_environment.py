@@ -55,3 +55,10 @@ def test_other_network_failures_in_their_own_words():
                 b"fatal: unable to access 'https://github.com/x/y.git/': Could not resolve host: github.com\n"):
         d = diagnose_bytes(log, None)
         assert d.category is Category.ENVIRONMENT, d.summary
+
+
+def test_a_later_crash_speaks_before_the_warning():
+    """The hub fell back to its cache and the model loaded: a crash printed after that explains the end."""
+    loaded = b"Loading checkpoint shards: 100%|##########| 2/2 [00:01<00:00,  1.20it/s]\n"
+    d = diagnose_bytes(CLV_2 + loaded + b"Segmentation fault (core dumped)\n", None)
+    assert d.category is Category.CRASH_OTHER, d.summary

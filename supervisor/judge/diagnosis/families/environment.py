@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from supervisor.core.models import Category
-from supervisor.judge.diagnosis.hits import ROOT, Hit, Segment
+from supervisor.judge.diagnosis.hits import HINT, ROOT, Hit, Segment
 
 # --- environment (transient: the network, the hub, DNS) -------------------
 _ENV_RE = re.compile(
@@ -34,8 +34,15 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     True when no later family may speak (a network failure is not a config error)."""
     # Transient environment failures, before config: a hub lookup that failed for want of a network.
     # (A connection between ranks - c10d store, rendezvous, NCCL - stays a comm failure.)
-    if (_ENV_RE.search(t) and not _OFFLINE_RE.search(t) and (exc_form or "LocalEntryNotFoundError" in t or _HTTP_FAIL_RE.search(t))
-            and not any(h.category is Category.COMM_FAILURE for h in hits)):
+    if (not _ENV_RE.search(t) or _OFFLINE_RE.search(t)
+            or any(h.category is Category.COMM_FAILURE for h in hits)):
+        return False
+    if exc_form or "LocalEntryNotFoundError" in t:
         hits.append(Hit("environment", Category.ENVIRONMENT, ROOT, "network", exc=seg.exc))
+        return True
+    if _HTTP_FAIL_RE.search(t):
+        # A warning (the hub may still fall back to its cache): a mention, decisive as the log's final
+        # error, else read only when no other line explains the end.
+        hits.append(Hit("environment_mention", Category.ENVIRONMENT, HINT, "network"))
         return True
     return False
