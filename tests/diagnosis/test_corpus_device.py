@@ -90,3 +90,14 @@ def test_the_thc_runtime_check_line_is_the_runtimes_own_report():
     check = APEX_124.split(b"\n", 1)[0] + b"\n"
     assert diagnose_bytes(sample_block(check), ExitRecord(returncode=1)).category is Category.UNKNOWN
     assert diagnose_bytes(check + HEALTHY, ExitRecord(returncode=1)).category is not Category.DEVICE_FAULT
+
+
+def test_a_pasted_xid_counts_but_not_the_cleanup_after_a_process_ended():
+    """noonghunna/club-3090 (device_fault_club3090_fp8_xid13_skedcheck): Xid 13, the kernel's view of a
+    faulting kernel, decides alone; Xid 43/45 (channel cleanup, after any process that ended) do not."""
+    xid13 = (b"[Tue Jul 21 23:13:57 2026] NVRM: Xid (PCI:0000:07:00): 13, Graphics Exception:"
+             b" SKEDCHECK02_LOCAL_MEMORY_LOW_SIZE failed\n")
+    assert diagnose_bytes(xid13, None).category is Category.DEVICE_FAULT
+    for code in (b"43", b"45"):
+        cleanup = b"[Tue Jul 21 23:13:57 2026] NVRM: Xid (PCI:0000:07:00): " + code + b", pid=1234, Ch 00000008\n"
+        assert diagnose_bytes(cleanup, None).category is not Category.DEVICE_FAULT

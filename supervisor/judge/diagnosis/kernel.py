@@ -22,6 +22,7 @@ KERNEL_OOM_RE = re.compile(
 _XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\):\s*(?P<code>\d+)")
 _XID_CAUSE_RE = re.compile(r"caused by previous Xid (\d+)")
 _APP_XIDS = frozenset({13, 31, 32, 43, 45, 68, 69})
+_AFTERMATH_XIDS = frozenset({43, 45})  # GPU stopped processing / preemptive cleanup: after a process ends
 _ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95, 140})
 _OFF_BUS_RE = re.compile(r"fallen off the bus|GPU is lost")
 _AER_RE = re.compile(r"AER: (?:Multiple )?Uncorrected \((?:Non-)?Fatal\) error|severity=Uncorrected")
@@ -105,8 +106,9 @@ _LOG_FAULT_RE = re.compile(
 
 def log_fault(text: str) -> KernelFault | None:
     """A device fault in a kernel line pasted into the job's log (its prefixes stripped), or None.
-    Unlike the kernel window (device_faults), an application-class Xid counts: a GPU page fault is
-    the kernel's view of the same fault a runtime calls an illegal memory access."""
+    Unlike the kernel window (device_faults), an application-class Xid counts (13, 31: the kernel's
+    view of the fault a runtime calls an illegal memory access), but not 43/45 alone: the cleanup
+    after any process that ended, killed or not."""
     if "amdgpu" not in text and "NVRM" not in text and "drm" not in text and "AER" not in text:
         return None
     m = _LOG_FAULT_RE.match(text)
@@ -122,7 +124,13 @@ def log_fault(text: str) -> KernelFault | None:
     if found:
         return found[0]
     x = _XID_RE.search(text) if m.group("nv") else None
-    return KernelFault("xid", "cuda", text[:2000], int(x.group("code"))) if x is not None else None
+    if x is None:
+        return None
+    code = int(x.group("code"))
+    cause = _XID_CAUSE_RE.search(text)
+    if code in _AFTERMATH_XIDS and not (cause and int(cause.group(1)) not in _AFTERMATH_XIDS):
+        return None  # a channel cleaned up after a process ended: what followed, not a fault
+    return KernelFault("xid", "cuda", text[:2000], code)
 
 
 def strongest(faults: list[KernelFault]) -> KernelFault | None:

@@ -15,7 +15,8 @@ _DEVICE_RULES: tuple[tuple[str, re.Pattern[str], str | None], ...] = (
     ("gpu_hang", re.compile(r"GPU Hang|reason\s*:\s*GPU Hang|\bhipErrorLaunchTimeOut\b|launch timed out"), None),
     ("hsa_error", re.compile(r"HSA_STATUS_ERROR_(?!OUT_OF_RESOURCES)\w+"), "hip"),
     ("ecc_error", re.compile(r"uncorrectable ECC error|\bECC error\b|ECC errors? (?:detected|encountered)"), None),
-    ("xid", re.compile(r"\bNVRM: Xid\b|\bXid \(PCI:"), "cuda"),
+    # not Xid 43/45 (a channel cleaned up after any process that ended): aftermath, not a fault
+    ("xid", re.compile(r"\bXid \((?:PCI:)?[0-9a-fA-F:.]+\):\s*(?!4[35]\b)\d+|\bNVRM: Xid\b(?!\s*\()"), "cuda"),
     ("fallen_off_bus", re.compile(r"fallen off the bus"), None),
     ("launch_failure", re.compile(r"unspecified launch failure|\bhipErrorLaunchFailure\b"), None),
     # also the THC era's "THCudaCheck FAIL ... error=74 : misaligned address" / "cuda runtime error (74) : ..."
