@@ -33,7 +33,9 @@ Root-cause order (documented here, tested in tests/diagnosis):
      attempt (structural or a hint) is the hang's likely cause ("a hang after an OOM on rank N at
      line L"); a watchdog's own line, a hint, refines it to comm_failure.
   6. Otherwise exit-signal facts (segfault, abort, SIGTERM), then HINTS (free text outside
-     a traceback: strength "hint"; a terminal category becomes crash_other), then unknown.
+     a traceback: strength "hint"; a terminal category becomes crash_other; an environment or
+     comm line that training advanced past does not count), then a pasted log (no exit record)
+     that stops while loading or starting up: hang (hint), then unknown.
 
 GPU OOM derived numbers:
   shortfall = max(0, tried_to_allocate - usable), where usable is `free`, or,
@@ -53,6 +55,7 @@ from dataclasses import dataclass, field
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, teardown
+from supervisor.judge.diagnosis.families import hang
 from supervisor.judge.diagnosis.families.crash import _SIGKILL_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.hits import COMM, CRASH, HINT, MARKER, ROOT, Hit
@@ -474,12 +477,36 @@ _BY_SIGNAL = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", 
               "SIGINT": "interrupted"}
 
 
+# Retried kinds read from text alone: training that advanced after the line shows it was survived
+# (a hub request that fell back to the cache, a connect NCCL retried): not what ended the run.
+_SURVIVABLE_TEXT = (Category.ENVIRONMENT, Category.COMM_FAILURE)
+
+
 def _signal_or_hint(c: _Case) -> Diagnosis | None:
-    hint = _pick_hint(c.active)
+    after = c.state.last_advance_line
+    hint = _pick_hint([f for f in c.active if f.structural or f.category not in _SURVIVABLE_TEXT
+                       or f.line_no >= after])
     if c.signal in _BY_SIGNAL and (hint is None or hint.tier not in (ROOT, COMM)):
         return plain(Category.CRASH_OTHER, _BY_SIGNAL[c.signal],
                      f"Ended by {c.signal} with no recognised error in the log.", c.state, tail_evidence(c.state))
     return _hint_diagnosis(hint, c.state) if hint is not None else None
+
+
+def _stalled(c: _Case) -> Diagnosis | None:
+    """Nothing recognised, exit status unknown (a pasted log), and the log stops mid-way (loading,
+    a bar, the process group forming): it stopped making progress. Said as a likely cause."""
+    if c.exit is not None:
+        return None
+    at = hang.stalled_at(c.state.program_tail(), c.state.prefixes)
+    if at is None:
+        return None
+    line_no, text = at
+    return dataclasses.replace(
+        plain(Category.HANG, "stalled_log",
+              f"The log stops at line {line_no} ({text[:160]!r}) with no error, kill or exit after it: the run"
+              " stopped making progress (or was stopped without a word; its exit status is unknown)."
+              + c.last_step(), c.state, tail_evidence(c.state, 2)),
+        strength="hint")
 
 
 def _nothing_recognised(c: _Case) -> Diagnosis:
@@ -504,6 +531,7 @@ STEPS = (
     _likely_oom_kill,     # 4. a kill the log reports, nothing measured: a likely host OOM (hint)
     _unexplained_kill,    #    any other kill: crash_other/sigkill_unexplained
     _signal_or_hint,      # 6. a fatal signal, then hints
+    _stalled,             #    a pasted log that stops mid-way with nothing after: a likely hang (hint)
     _nothing_recognised,  #    unknown
 )
 

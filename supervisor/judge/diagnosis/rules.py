@@ -24,6 +24,7 @@ from supervisor.judge.diagnosis.families import (
     disk,
     environment,
     gpu_memory,
+    hedge,
     host_memory,
     numeric,
 )
@@ -262,6 +263,12 @@ _RULE_TRIGGERS = (
     # numeric blow-ups in other frameworks' words (families/numeric.py)
     "oss is nan", "oss is NaN", "oss is inf", "Invalid loss", "Tensor had", "found NaN",
     "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
+    # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
+    "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",
+    "net_ib.cc:", "ibvwrap.cc:", "socketPollConnect",
+    "Max retries exceeded", "Failed to establish a new connection",  # families/environment.py
+    "page fault", "PAGE_FAULT", "job_timedout", "GPU reset", "GPU fault detected", "AER:",  # kernel lines (kernel.py)
+    "server socket", "resolve host", "ReadTimeout", "ConnectTimeout", "Read timed out",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 
@@ -276,6 +283,7 @@ KEYWORDS: tuple[str, ...] = tuple(
 # and `disk` follow the memory, device and comm families; `crash` (kills, segfaults, any other
 # exception) is the fallback and speaks for an exception only when nothing else did.
 FAMILIES = (
+    hedge.find,  # a list of possible causes (Ray's dead-worker report) is no family's evidence
     gpu_memory.find,
     host_memory.find,
     device.find,

@@ -24,7 +24,7 @@ import re
 from collections import deque
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
-from supervisor.judge.diagnosis import rules, scan_rich
+from supervisor.judge.diagnosis import kernel, rules, scan_rich
 from supervisor.judge.diagnosis.conclude import conclude
 from supervisor.judge.diagnosis.families.gpu_memory import _PINNED_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
@@ -417,6 +417,10 @@ class LogScanner(StreamReading, ProgressReading):
         if "terminated with exception" in t and _WATCHDOG_EXC_RE.search(t):
             return "cxx"
         if ("aborting with error" in t or "Memory access fault by GPU" in t) and _RUNTIME_ABORT_RE.search(t):
+            return "runtime"
+        if kernel.log_fault(t) is not None:  # the kernel's own device-fault line, pasted from dmesg
+            return "runtime"
+        if t.startswith("THCudaCheck FAIL "):  # the THC runtime's own check, printed as it raises
             return "runtime"
         return ""
 

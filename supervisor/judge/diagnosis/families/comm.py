@@ -31,6 +31,27 @@ _SOCKET_RE = re.compile(
     r"|address already in use|TCPStore\w*.*(?:fail|timed out|refused)"
     r"|(?:Connection reset by peer|Connection refused|Broken pipe).*(?:c10d|socket|Gloo|NCCL|store)"
     r"|(?:c10d|socket|Gloo|NCCL|store).*(?:Connection reset by peer|Connection refused)"
+    # the group never formed: c10d's store barrier, a store read that timed out, its client socket giving up
+    r"|Timed out initializing process group in store based barrier|store->\w+\(.*\) got error"
+    r"|\[c10d\].*client socket has (?:failed to connect|timed out)"
+    # gloo's TCP pair lost its peer (the other rank died or the link dropped)
+    r"|gloo\S*.*(?:Connection closed by peer|Connection reset by peer|Connection refused|Timed out waiting \d+ms)"
+    r"|\[c10d\].*server socket has failed to (?:listen|bind)"
+)
+# NCCL/RCCL's own network failures, said by their WARN lines (socket, bootstrap, IB verbs, proxy
+# connect) or, when no WARN was printed, by the error codes a failed call returns up the stack
+# from its socket/bootstrap/net code ("misc/socket.cc:564 -> 2"). Often the log's last word: the
+# launcher kills the ranks, or the log is cut, before any Python traceback.
+_NCCL_NET_RE = re.compile(
+    r"\b[NR]CCL WARN\b.*(?:Connection closed by (?:remote )?peer|Connection refused|Connection reset by peer"
+    r"|Connect to \S+ failed|socket(?:StartConnect|PollConnect|Progress|Accept|Recv|Send)\w*:"
+    r"|Network is unreachable|No route to host|Software caused connection abort|Connection timed out"
+    r"|\bbootstrap\w*\b.*(?:fail|error|timeout)|\bibv_\w+ failed|Got completion from peer\b.*\bstatus=[1-9]"
+    r"|Socket recv failed|Failed to execute operation Connect|no socket interface found"
+    r"|NET/IB\s*:.*(?:\berror\b|failed|Got async event))"
+    r"|\b[NR]CCL INFO (?:\S*/)?(?:socket|bootstrap|net_socket|net_ib|ibvwrap)\.cc:\d+ -> [1-9]\d*\b"
+    # retries to reach a peer used up: socketPollConnect's "retrying (34/34)"
+    r"|socketPollConnect: connect returned .*retrying \((\d+)/\1\)"
 )
 
 
@@ -54,3 +75,5 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
         hits.append(Hit("nccl_error", Category.COMM_FAILURE, COMM, sub, exc=seg.exc))
     elif _SOCKET_RE.search(t):
         hits.append(Hit("rendezvous", Category.COMM_FAILURE, COMM, "rendezvous", exc=seg.exc))
+    elif "CCL" in t and _NCCL_NET_RE.search(t):
+        hits.append(Hit("nccl_network", Category.COMM_FAILURE, COMM, "nccl_network", exc=seg.exc))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from supervisor.core.models import Category
-from supervisor.judge.diagnosis.hits import ROOT, Hit, Segment
+from supervisor.judge.diagnosis.hits import HINT, ROOT, Hit, Segment
 
 # --- environment (transient: the network, the hub, DNS) -------------------
 _ENV_RE = re.compile(
@@ -13,6 +13,17 @@ _ENV_RE = re.compile(
     r"|ReadTimeoutError|ConnectTimeoutError|MaxRetryError|ConnectionError|ConnectionResetError|Connection aborted"
     r"|We couldn't connect to '?https?://|couldn't connect to|Network is unreachable|HTTP Error 50[234]|50[234] Server Error"
     r"|check your connection|Please check your connection|Internet connection|SSLError|ProxyError"
+    r"|\bReadTimeout\b|\bConnectTimeout\b|Read timed out|ConnectionRefusedError|urlopen error"
+    r"|429 Client Error|Could not resolve host"
+)
+# urllib3/requests' own account of a request that never got an answer (huggingface_hub logs it as a
+# warning, "'(MaxRetryError(...))' thrown while requesting HEAD ..."): the network failed, said
+# outside any exception line; a hint, read when nothing stronger explains the end.
+_HTTP_FAIL_RE = re.compile(
+    r"Max retries exceeded with url|Failed to establish a new connection"
+    r"|Caused by (?:NewConnection|ConnectTimeout|ReadTimeout|NameResolution|Proxy|SSL)Error"
+    # curl, git and wget say a failed lookup in their own words
+    r"|Could not resolve host|failed: (?:Temporary failure in name resolution|Name or service not known)"
 )
 # LocalEntryNotFoundError under HF_HUB_OFFLINE (or local_files_only) means "not cached": a config error.
 _OFFLINE_RE = re.compile(r"outgoing traffic has been disabled|HF_HUB_OFFLINE|local_files_only=True|offline mode")
@@ -23,8 +34,15 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     True when no later family may speak (a network failure is not a config error)."""
     # Transient environment failures, before config: a hub lookup that failed for want of a network.
     # (A connection between ranks - c10d store, rendezvous, NCCL - stays a comm failure.)
-    if (_ENV_RE.search(t) and not _OFFLINE_RE.search(t) and (exc_form or "LocalEntryNotFoundError" in t)
-            and not any(h.category is Category.COMM_FAILURE for h in hits)):
+    if (not _ENV_RE.search(t) or _OFFLINE_RE.search(t)
+            or any(h.category is Category.COMM_FAILURE for h in hits)):
+        return False
+    if exc_form or "LocalEntryNotFoundError" in t:
         hits.append(Hit("environment", Category.ENVIRONMENT, ROOT, "network", exc=seg.exc))
+        return True
+    if _HTTP_FAIL_RE.search(t):
+        # A warning (the hub may still fall back to its cache): a mention, decisive as the log's final
+        # error, else read only when no other line explains the end.
+        hits.append(Hit("environment_mention", Category.ENVIRONMENT, HINT, "network"))
         return True
     return False
