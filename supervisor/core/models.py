@@ -259,6 +259,7 @@ class Change:
 
 class DecisionKind(StrEnum):
     RETRY = "retry"  # same configuration, after a backoff
+    WAIT = "wait"  # same configuration, after a longer wait: the surroundings failed, not the job
     ESCALATE = "escalate"  # a new configuration (a remedy rung)
     FAIL = "fail"  # stop; reason says why in words
     PAUSE = "pause"  # pause the whole queue (e.g. disk full)

@@ -29,6 +29,7 @@ from supervisor.core.models import (
 from supervisor.judge.policy import rungs as R
 from supervisor.judge.policy import search as S
 from supervisor.judge.policy.estimate import model_states
+from supervisor.judge.policy.outage import decide_environment
 from supervisor.judge.policy.schema import ENV_ONLY_RUNGS, Policy
 
 GiB = 1 << 30
@@ -232,16 +233,9 @@ def _config_error(job: JobContext, history: Sequence[AttemptRecord], diagnosis: 
 
 def _environment(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
                  current: Overrides) -> Decision | None:
-    """The hub, DNS, the network: retried within its budget."""
-    cat = diagnosis.category
-    if str(cat) == "environment":
-        n = sum(1 for a in history if a.diagnosis is not None and str(a.diagnosis.category) == "environment")
-        if n <= policy.budgets.environment_retries:
-            return _retry(job, current, policy, n, f"environment failure ({diagnosis.summary}): the hub, DNS or "
-                                                   f"network, not the job; retry {n} of "
-                                                   f"{policy.budgets.environment_retries}")
-        return Decision(DecisionKind.FAIL, f"environment failure persisted over {n} attempts (budget "
-                                           f"{policy.budgets.environment_retries}): {diagnosis.summary}")
+    """The hub, DNS, the network: retried with backoff, then waited for (outage.py)."""
+    if diagnosis.category == Category.ENVIRONMENT:
+        return decide_environment(job, history, diagnosis, policy, current, _retry)
     return None
 
 
