@@ -99,3 +99,13 @@ def test_unknown_never_triggers_a_remedy(default_policy):
         d = decide(job(max_attempts=10), hist, u, default_policy)
         assert d.kind in (DecisionKind.RETRY, DecisionKind.FAIL), d
         assert d.rung is None and not d.changes
+
+
+def test_waiting_out_an_outage_spends_none_of_the_jobs_own_budgets(default_policy):
+    """After a night of waiting for the network, the job's first crash of its own is retried: the
+    outage counted toward neither the attempt budget nor the no-progress run."""
+    p = tiny(default_policy)
+    crash = Diagnosis(Category.CRASH_OTHER, "Segmentation fault", fingerprint="crash_other:segfault")
+    hist = [attempt(i, Overrides(), hub_down()) for i in range(1, 6)] + [attempt(6, Overrides(), crash)]
+    d = decide(job(max_attempts=3), hist, crash, p)
+    assert d.kind == DecisionKind.RETRY, d.reason
