@@ -156,6 +156,12 @@ def render(d: Diagnosis) -> str:
             lines.append(f"  {where:>11} [{e.rule}] {text}")
     lines.append(f"strength : {d.strength}")
     lines.append(f"summary  : {d.summary}")
+    if d.category.value == "unknown" and d.candidates:
+        # Nothing is certain: the two likeliest causes and where the log points to each.
+        lines.append("why not  : nothing decides; most likely, and where to look:")
+        for c in d.candidates:
+            lines.append(f"  {c.category.value}")
+            lines += [f"  {f'line {n}':>11} {t if len(t) <= 300 else t[:300] + '...'}" for n, t in c.lines]
     return "\n".join(lines) + "\n"
 
 

@@ -125,6 +125,10 @@ def attempt_panel(a: dict[str, Any]) -> Panel:
         if extra:
             lines.append(f" ({', '.join(extra)})")
         lines.append(f": {d.get('summary', '')}\n")
+        if d["category"] == "unknown" and d.get("candidates"):  # nothing certain: where to look
+            from supervisor.judge.diagnosis.candidates import candidates_line
+
+            lines.append(f"  unknown; {candidates_line(d['candidates'])}\n")
         nums = {k: v for k, v in (d.get("numbers") or {}).items() if v is not None}
         if nums:
             shown = ", ".join(f"{k}={human_bytes(v) if isinstance(v, (int, float)) and k not in ('device_index', 'rank') and v > 4096 else v}"

@@ -65,6 +65,22 @@ class Evidence:
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """A category an `unknown` verdict could not rule out, with the lines that point to it (1-based
+    line numbers): where a person should look, never a verdict (nothing acts on it)."""
+
+    category: Category
+    lines: tuple[tuple[int, str], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"category": str(self.category), "lines": [{"line": n, "text": t} for n, t in self.lines]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Candidate:
+        return cls(Category(d["category"]), tuple((int(x["line"]), str(x["text"])) for x in d.get("lines") or ()))
+
+
+@dataclass(frozen=True)
 class ExitRecord:
     """How the attempt's main process ended, as the launch shim saw it.
 
@@ -161,6 +177,8 @@ class Diagnosis:
     # The node it happened on, for an attempt that ran on several (its exit record, its rank,
     # or the scheduler's word that the node failed).
     node: str | None = None
+    # For an `unknown` verdict only: the two likeliest categories and the lines pointing to each.
+    candidates: tuple[Candidate, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -176,6 +194,7 @@ class Diagnosis:
             "strength": self.strength,
             "fingerprint": self.fingerprint,
             "node": self.node,
+            "candidates": [c.to_dict() for c in self.candidates],
         }
 
     @classmethod
@@ -193,6 +212,7 @@ class Diagnosis:
             strength=d.get("strength", "structural"),
             fingerprint=d.get("fingerprint"),
             node=d.get("node"),
+            candidates=tuple(Candidate.from_dict(c) for c in d.get("candidates") or ()),
         )
 
 
@@ -259,6 +279,7 @@ class Change:
 
 class DecisionKind(StrEnum):
     RETRY = "retry"  # same configuration, after a backoff
+    WAIT = "wait"  # same configuration, after a longer wait: the surroundings failed, not the job
     ESCALATE = "escalate"  # a new configuration (a remedy rung)
     FAIL = "fail"  # stop; reason says why in words
     PAUSE = "pause"  # pause the whole queue (e.g. disk full)

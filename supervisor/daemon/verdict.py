@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +269,12 @@ class Verdicts:
             j.transition(job_id, JobState.WAITING_RETRY,
                          f"retry the same configuration in {decision.delay_s:.0f}s: {decision.reason}",
                          not_before=now + decision.delay_s)
+        elif decision.kind == DecisionKind.WAIT:  # the surroundings failed: waiting, said with its time
+            parts = decision.reason.split("; ", 2)  # "waiting for X: why; next try in 12m00s; ..."
+            at = time.strftime("%H:%M", time.localtime(now + decision.delay_s))
+            if len(parts) > 1 and parts[1].startswith("next try in "):
+                parts[1] = f"next try at {at} ({parts[1].removeprefix('next try ')})"
+            j.transition(job_id, JobState.WAITING_RETRY, "; ".join(parts), not_before=now + decision.delay_s)
         elif decision.kind == DecisionKind.ESCALATE:
             over = decision.overrides or Overrides()
             changes = "; ".join(f"{c.key}: {c.old!r} -> {c.new!r} ({c.why})" for c in decision.changes)

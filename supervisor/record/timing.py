@@ -41,7 +41,7 @@ def job_record(store, job) -> JobRecord:
             resumed_from_step=a.resumed_from_step, max_step=a.max_step,
             checkpoint_step_after=a.checkpoint_step_after, steps_per_s=a.steps_per_s,
             marks=marks.get(a.number), hang_at=hang_at, hang_timeout=hang_timeout))
-        if a.ended_at is not None and dec.get("kind") in ("retry", "escalate", "pause"):
+        if a.ended_at is not None and dec.get("kind") in ("retry", "wait", "escalate", "pause"):
             backoffs.append((a.ended_at, float(dec.get("delay_s") or 0.0)))
     starts = sorted(a.started_at for a in attempts)
     waits: list[Interval] = []

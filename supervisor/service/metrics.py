@@ -177,11 +177,31 @@ def record_families(store) -> list:
     fam.append(f)
     fam.append(CounterMetricFamily(f"{PREFIX}_steps_lost", "Training steps thrown away by failed attempts "
                                    "(reached minus kept by a checkpoint)", value=lost))
+    fam += environment_families(store, outcomes.get("environment", 0))
     quarantined = c.execute("SELECT COUNT(*) FROM events WHERE kind='checkpoint_quarantined'").fetchone()[0]
     fam.append(CounterMetricFamily(f"{PREFIX}_checkpoints_quarantined",
                                    "Incomplete checkpoints moved aside", value=quarantined))
     fam += goodput_families(store)
     return fam
+
+
+def environment_families(store, failures: int) -> list:
+    """Outages of the surroundings (issue 29): failures, the waits they led to, who waits now."""
+    c = store.conn
+    waits = c.execute("SELECT COUNT(*) FROM attempts WHERE json_valid(decision) "
+                      "AND json_extract(decision, '$.kind') = 'wait'").fetchone()[0]
+    waiting = c.execute(
+        "SELECT COUNT(*) FROM jobs j WHERE j.state = 'waiting_retry' AND (SELECT json_extract(a.decision, "
+        "'$.kind') FROM attempts a WHERE a.job_id = j.id AND json_valid(a.decision) "
+        "ORDER BY a.number DESC LIMIT 1) = 'wait'").fetchone()[0]
+    return [
+        CounterMetricFamily(f"{PREFIX}_environment_failures", "Attempts ended by the surroundings (DNS, the hub, "
+                            "a proxy, a node), not the job", value=failures),
+        CounterMetricFamily(f"{PREFIX}_environment_waits", "Waits for the surroundings to come back, once an "
+                            "environment failure's retries were spent", value=waits),
+        GaugeMetricFamily(f"{PREFIX}_jobs_waiting_for_environment", "Jobs waiting now for the network (or a "
+                          "healthy node); `status` says why and until when", value=waiting),
+    ]
 
 
 def goodput_families(store, *, now: float | None = None, window_s: float = GOODPUT_WINDOW_S) -> list:

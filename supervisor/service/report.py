@@ -483,6 +483,26 @@ def attempt_rows(job: JobView) -> list[list[str]]:
     return rows
 
 
+def outage_lines(night: Night) -> list[str]:
+    """Per job, the failures of the surroundings (DNS, the hub, a proxy, a node) and the waits they
+    led to (issue 29): a job waiting for the network is not a job failing."""
+    out = []
+    for j in night.jobs:
+        env = [a for a in j.attempts if a.outcome == "environment"]
+        if not env:
+            continue
+        waits = [a for a in env if a.decision == "wait"]
+        line = (f"job {j.id} {j.name}: {len(env)} environment failure(s) (attempt "
+                + ", ".join(str(a.number) for a in env) + f"), {len(waits)} wait(s) for the surroundings")
+        last = j.attempts[-1]
+        if last in env and j.state in ("waiting_retry", "failed") and j.reason:
+            line += f"; {'now' if j.state == 'waiting_retry' else 'failed'}: {j.reason}"
+        elif last not in env and last.outcome == "success":
+            line += f"; the surroundings came back: attempt {last.number} succeeded"
+        out.append(line)
+    return out
+
+
 def _md_table(rows: list[list[str]]) -> str:
     esc = [[markdown_cell(c) for c in r] for r in rows]
     lines = ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(esc[0])]
@@ -512,6 +532,10 @@ def render_markdown(night: Night, images: dict[int, str]) -> str:
         if NIGHT_IMAGE in images.values():
             out += [f"![where the time went]({NIGHT_IMAGE})", ""]
         out += [_md_table(goodput_table(night)), ""]
+    outages = outage_lines(night)
+    if outages:
+        out += ["## Outages of the surroundings", "",
+                *(f"- {md(o)}" for o in outages), ""]
     for j in night.jobs:
         out += [f"## Job {j.id}: {md(j.name)} ({md(j.state)})", ""]
         if j.reason:
@@ -546,6 +570,10 @@ def render_html(night: Night, pngs: dict[int, bytes]) -> str:
             b64 = base64.b64encode(pngs[NIGHT_KEY]).decode()
             parts.append(f"<img alt='where the time went' src='data:image/png;base64,{b64}'>")
         parts.append(_html_table(goodput_table(night)))
+    outages = outage_lines(night)
+    if outages:
+        parts.append("<h2>Outages of the surroundings</h2><ul>" + "".join(
+            f"<li>{html.escape(o)}</li>" for o in outages) + "</ul>")
     if not night.jobs:
         parts.append("<p>No jobs in this period.</p>")
     for j in night.jobs:

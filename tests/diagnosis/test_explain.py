@@ -129,3 +129,70 @@ def test_bad_evidence_flags_are_clear_errors(tmp_path):
     ):
         rc, _out, err = _run([log, *argv])
         assert rc == 2 and msg in err, (argv, err)
+
+
+# --- issue 29: the "why not" of an unknown verdict ----------------------------------------------
+
+# A DEVELOPMENT-part corpus excerpt labelled unknown (unknown_deepspeed_gptj_killing_subprocess_before_
+# optimizer_states.log), copied verbatim: DeepSpeed's launcher kills its worker with no error said.
+GPTJ_KILLED = (
+    b"[2/2] c++ flatten_unflatten.o -shared -L/usr/local/lib/python3.8/dist-packages/torch/lib -lc10 -ltorch_cpu"
+    b" -ltorch -ltorch_python -o utils.so\n"
+    b"Loading extension module utils...\n"
+    b"Time to load utils op: 16.887123346328735 seconds\n"
+    b"Rank: 0 partition count [1] and sizes[(6049711186, False)]\n"
+    b"[2023-04-07 13:08:55,468] [INFO] [utils.py:829:see_memory_usage] Before initializing optimizer states\n"
+    b"[2023-04-07 13:08:55,469] [INFO] [utils.py:830:see_memory_usage] MA 11.76 GB         Max_MA 11.76 GB      "
+    b"   CA 11.77 GB         Max_CA 12 GB \n"
+    b"[2023-04-07 13:08:55,469] [INFO] [utils.py:838:see_memory_usage] CPU Virtual Memory:  used = 28.43 GB, "
+    b"percent = 22.6%\n"
+    b"[2023-04-07 13:09:33,201] [INFO] [launch.py:318:sigkill_handler] Killing subprocess 80\n"
+)
+
+
+def test_unknown_names_the_two_likeliest_categories_with_their_lines_in_json(tmp_path):
+    log = tmp_path / "gptj.log"
+    log.write_bytes(GPTJ_KILLED)
+    rc, out, _ = _run([str(log), "--exit-code", "1", "--json"])
+    d = json.loads(out)
+    assert rc == 0 and d["category"] == "unknown"
+    assert [c["category"] for c in d["candidates"]] == ["host_oom", "gpu_oom"]
+    host, gpu = d["candidates"]
+    assert [x["line"] for x in host["lines"]] == [7, 8] and "Killing subprocess 80" in host["lines"][1]["text"]
+    assert gpu["lines"] == [{"line": 6, "text": GPTJ_KILLED.decode().splitlines()[5].strip()}]
+
+
+def test_unknown_candidates_print_verbatim_in_the_human_report():
+    """A fixture labelled unknown: an OOM the program survived (training went on) and its traceback.
+    Its `[INFO]`-like text must print as itself (plain text, never markup)."""
+    rc, out, _ = _run([str(FIXTURES / "negative_oom_logged_with_traceback_then_progress.log"), "--exit-code", "1"])
+    assert rc == 0 and "category : unknown" in out
+    why = out[out.index("why not  :"):]
+    raw = (FIXTURES / "negative_oom_logged_with_traceback_then_progress.log").read_bytes()
+    lines = raw.decode().split("\n")  # the scanner's lines: a progress bar's \r does not end one
+    assert why.splitlines()[1] == "  gpu_oom" and f"line 40 {lines[39].strip()}" in why
+    assert "  crash_other" in why and f"line 21 {lines[20].strip()}" in why
+
+
+def test_a_certain_verdict_has_no_candidates():
+    _, out, _ = _run([str(FIXTURES / "gpu_oom_hip_mi300x_torchrun_rank3.log"), "--exit-code", "1", "--json"])
+    assert json.loads(out)["candidates"] == [] and "why not" not in _run(
+        [str(FIXTURES / "gpu_oom_hip_mi300x_torchrun_rank3.log"), "--exit-code", "1"])[1]
+
+
+def test_show_says_where_to_look_for_an_unknown_attempt_verbatim():
+    from rich.console import Console
+
+    from supervisor.cli.show import attempt_panel
+    from supervisor.core.models import Category, Diagnosis
+    from supervisor.judge.diagnosis import diagnose_bytes
+
+    log = GPTJ_KILLED.replace(b"Killing subprocess 80", b"Killing subprocess [bold]80[/bold]")
+    d = diagnose_bytes(log, None, None)
+    assert d.category == Category.UNKNOWN
+    assert Diagnosis.from_dict(d.to_dict()) == d  # stored and read back as it was
+    console = Console(record=True, width=300)
+    console.print(attempt_panel({"number": 1, "started_at": 0, "ended_at": 1, "diagnosis": d.to_dict()}))
+    text = console.export_text()
+    assert ("unknown; most likely: host_oom (line 8: [2023-04-07 13:09:33,201] [INFO] "
+            "[launch.py:318:sigkill_handler] Killing subprocess [bold]80[/bold]), gpu_oom (line 6: ") in text

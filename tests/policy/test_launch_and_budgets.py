@@ -249,9 +249,13 @@ def test_environment_failure_is_retried_with_backoff_and_bounded(default_policy)
     e = _env_diag()
     d = first(job(), e, default_policy)
     assert d.kind == DecisionKind.RETRY and d.delay_s > 0
-    hist = [attempt(i, Overrides(), e) for i in range(1, 12)]
-    d = decide(job(max_attempts=20), hist[: default_policy.budgets.environment_retries + 1], e, default_policy)
-    assert d.kind == DecisionKind.FAIL and "environment" in d.reason
+    b = default_policy.budgets
+    hist = [attempt(i, Overrides(), e) for i in range(1, 60)]
+    d = decide(job(max_attempts=20), hist[: b.environment_retries + 1], e, default_policy)
+    assert d.kind == DecisionKind.WAIT and "waiting for the network" in d.reason  # issue 29: not failed
+    spent = b.environment_retries + 1 + int(-(-b.environment_wait_max_s // b.environment_wait_s))
+    d = decide(job(max_attempts=20), hist[:spent], e, default_policy)
+    assert d.kind == DecisionKind.FAIL and "the network stayed down" in d.reason
 
 
 def test_config_error_on_a_configuration_that_already_trained_is_retried_once(default_policy):

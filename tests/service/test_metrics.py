@@ -127,3 +127,34 @@ def test_totals_are_reread_at_most_every_few_seconds_live_facts_every_tick(tmp_p
     got = samples(m.render())
     assert got[("oom_supervisor_jobs", (("state", "queued"),))] == 2
     assert ("oom_supervisor_job_step", job) not in got, "a job that stopped running is gone"
+
+
+def test_environment_failures_and_waits_are_counted_and_who_waits_now_is_a_gauge(tmp_path):
+    """Issue 29: an outage of the network is a category of its own in the metrics."""
+    from supervisor.core.states import JobState
+
+    from .night import Clock, _attempt
+
+    _, store = build_night(tmp_path)
+    env = {"category": "environment", "subkind": "network", "summary": "huggingface.co unreachable"}
+    job_id = store.add_job(name="hub", kind="command", priority=0, policy="default", workdir=str(tmp_path),
+                           source="hub.yaml", spool_key="hub")
+    clock = Clock(store.clock())
+    _attempt(store, clock, job_id, 1, minutes=1, max_step=None, total=0, diag=env,
+             decision={"kind": "retry", "reason": "environment failure; retry 1 of 1", "delay_s": 30})
+    _attempt(store, clock, job_id, 2, minutes=1, max_step=None, total=0, diag=env,
+             decision={"kind": "wait", "reason": "waiting for the network: huggingface.co unreachable",
+                       "delay_s": 720})
+    store.transition(job_id, JobState.WAITING_RETRY, "waiting for the network: huggingface.co unreachable")
+    got = samples(_render(store))
+    p = "oom_supervisor_"
+    assert got[(p + "environment_failures_total", ())] == 2
+    assert got[(p + "environment_waits_total", ())] == 1
+    assert got[(p + "jobs_waiting_for_environment", ())] == 1
+    assert got[(p + "attempts_total", (("outcome", "environment"),))] == 2
+
+
+def _render(store) -> str:
+    m = Metrics(None)
+    m.update(store, [])
+    return m.render()

@@ -184,3 +184,31 @@ def test_the_night_table_and_the_time_buckets_never_give_failed_attempts_two_fig
     wall, goodput = bucket_row.split("|")[2].strip(), bucket_row.split("|")[3].strip()
     assert goodput.endswith("%") and row.split("|")[9].strip() == goodput, (row, bucket_row)
     assert row.split("|")[8].strip() == wall, (row, bucket_row)
+
+
+def test_the_report_lists_outages_of_the_surroundings_and_who_waits_for_the_network(tmp_path):
+    """Issue 29: environment failures and the waits they led to, per job, in both pages."""
+    from supervisor.core.paths import StatePaths
+    from supervisor.core.states import JobState
+    from supervisor.service.report import outage_lines, render_html, render_markdown
+
+    from .night import Clock, _attempt
+
+    state, store = build_night(tmp_path)
+    env = {"category": "environment", "subkind": "network", "summary": "Transient environment failure"}
+    job_id = store.add_job(name="hub", kind="command", priority=0, policy="default", workdir=str(tmp_path),
+                           source="hub.yaml", spool_key="hub")
+    clock = Clock(store.clock())
+    _attempt(store, clock, job_id, 1, minutes=1, max_step=None, total=0, diag=env,
+             decision={"kind": "retry", "reason": "environment failure; retry 1 of 1", "delay_s": 30})
+    _attempt(store, clock, job_id, 2, minutes=1, max_step=None, total=0, diag=env,
+             decision={"kind": "wait", "reason": "waiting for the network", "delay_s": 720})
+    why = ("waiting for the network: huggingface.co unreachable (NameResolutionError) in 2 attempts; "
+           "next try at 03:40 (in 12m00s)")
+    store.transition(job_id, JobState.WAITING_RETRY, why)
+    night = collect(store, StatePaths(state.root))
+    assert outage_lines(night) == [(f"job {job_id} hub: 2 environment failure(s) (attempt 1, 2), 1 wait(s) for "
+                                   f"the surroundings; now: {why}")]
+    md, page = render_markdown(night, {}), render_html(night, {})
+    assert "## Outages of the surroundings" in md and "huggingface.co unreachable" in md
+    assert "<h2>Outages of the surroundings</h2>" in page and "next try at 03:40" in page

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, teardown
+from supervisor.judge.diagnosis.candidates import likely_categories
 from supervisor.judge.diagnosis.families import hang
 from supervisor.judge.diagnosis.families.crash import _SIGKILL_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
@@ -259,6 +260,8 @@ def _root_of(f: Finding) -> Root:
 def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
     """The verdict with its fingerprint; a host OOM also says the job's memory limit and peak seen."""
     d = _with_memory(_conclude(state, exit, host), host)
+    if d.category is Category.UNKNOWN and d.subkind == "no_evidence":  # nothing certain: where to look
+        d = dataclasses.replace(d, candidates=likely_categories(state))
     if state.internal_errors:
         d = dataclasses.replace(d, numbers={**d.numbers, "scanner_errors": state.internal_errors},
                                 summary=f"{d.summary} ({state.internal_errors} log line(s) could not be read.)")

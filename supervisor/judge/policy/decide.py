@@ -29,6 +29,7 @@ from supervisor.core.models import (
 from supervisor.judge.policy import rungs as R
 from supervisor.judge.policy import search as S
 from supervisor.judge.policy.estimate import model_states
+from supervisor.judge.policy.outage import decide_environment
 from supervisor.judge.policy.schema import ENV_ONLY_RUNGS, Policy
 
 GiB = 1 << 30
@@ -158,14 +159,16 @@ def _no_progress_run(history: Sequence[AttemptRecord]) -> int:
     """Attempts since the last one that left a newer complete checkpoint.
 
     OOM attempts do not count: each runs a new configuration and the OOM
-    budget bounds them; this budget is for loops that repeat without gain.
+    budget bounds them; nor do outages of the surroundings (outage.py bounds them); this
+    budget is for loops that repeat without gain.
     """
     best, run = -1, 0
     for a in history:
         step = a.checkpoint_step_after if a.checkpoint_step_after is not None else -1
         if step > best:
             best, run = step, 0
-        elif not (a.diagnosis is not None and a.diagnosis.category in OOM):
+        elif not (a.diagnosis is not None and (a.diagnosis.category in OOM
+                                               or a.diagnosis.category == Category.ENVIRONMENT)):
             run += 1
     return run
 
@@ -232,16 +235,9 @@ def _config_error(job: JobContext, history: Sequence[AttemptRecord], diagnosis: 
 
 def _environment(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
                  current: Overrides) -> Decision | None:
-    """The hub, DNS, the network: retried within its budget."""
-    cat = diagnosis.category
-    if str(cat) == "environment":
-        n = sum(1 for a in history if a.diagnosis is not None and str(a.diagnosis.category) == "environment")
-        if n <= policy.budgets.environment_retries:
-            return _retry(job, current, policy, n, f"environment failure ({diagnosis.summary}): the hub, DNS or "
-                                                   f"network, not the job; retry {n} of "
-                                                   f"{policy.budgets.environment_retries}")
-        return Decision(DecisionKind.FAIL, f"environment failure persisted over {n} attempts (budget "
-                                           f"{policy.budgets.environment_retries}): {diagnosis.summary}")
+    """The hub, DNS, the network: retried with backoff, then waited for (outage.py)."""
+    if diagnosis.category == Category.ENVIRONMENT:
+        return decide_environment(job, history, diagnosis, policy, current, _retry)
     return None
 
 
@@ -257,11 +253,12 @@ def _disk_full(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Dia
 
 def _budget_spent(job: JobContext, history: Sequence[AttemptRecord], diagnosis: Diagnosis, policy: Policy,
                   current: Overrides) -> Decision | None:
-    """The attempt budget."""
+    """The attempt budget (outages of the surroundings are not the job's attempts: outage.py bounds them)."""
     cat = diagnosis.category
     limit = min(policy.budgets.max_attempts, job.max_attempts)
-    if len(history) >= limit:
-        return Decision(DecisionKind.FAIL, f"attempt budget spent ({len(history)} of {limit}); "
+    used = sum(1 for a in history if a.diagnosis is None or a.diagnosis.category != Category.ENVIRONMENT)
+    if used >= limit:
+        return Decision(DecisionKind.FAIL, f"attempt budget spent ({used} of {limit}); "
                                            f"last failure: {cat}: {diagnosis.summary}")
     return None
 

@@ -45,6 +45,10 @@ class Budgets(_Strict):
     device_fault_retries: int = Field(1, ge=0)
     numeric_retries: int = Field(0, ge=0)
     environment_retries: int = Field(5, ge=0)  # hub / DNS / network failures outside the job
+    # Then the job waits for the surroundings to come back (not failed: the outage is not its
+    # fault): a try every `environment_wait_s`, for at most `environment_wait_max_s` in all.
+    environment_wait_s: float = Field(720.0, gt=0)
+    environment_wait_max_s: float = Field(4 * 3600.0, ge=0)
     foreign_memory_retries: int = Field(4, ge=0)  # GPU memory held by other processes: wait for it
 
 
