@@ -136,6 +136,8 @@ def _comparable(d):
     x = d.to_dict()
     x.pop("summary")
     x["evidence"] = [(e["rule"], e["text"]) for e in x["evidence"] if e["rule"] != "tail"]
+    # an unknown's candidates point at the same lines, numbered after the prepended sample
+    x["candidates"] = [(c["category"], [ln["text"] for ln in c["lines"]]) for c in x.get("candidates", ())]
     return x
 
 
