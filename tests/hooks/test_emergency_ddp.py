@@ -1,0 +1,109 @@
+"""The emergency checkpoint of a replicated run: 2 CPU ranks under real torchrun (gloo), DDP.
+
+Every rank holds the whole model and optimizer state, so the rank that hits the OOM writes
+checkpoint-N alone; the other rank's RNG state of step N comes through torchrun's store from a
+thread of that rank while its main thread waits in the gradient all-reduce (replica.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.hooks.markers import parse_emergency
+from supervisor.run.checkpoints import scan_output_dir
+from tests.hooks.test_emergency_plain import SAVED_RE, VENV_BIN, losses, markers, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.ml]
+
+NOTE = "oom-supervisor-emergency.json"
+
+
+def torchrun(port: int) -> list[str]:
+    launcher = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(port)]
+    if not Path(launcher[0]).exists():
+        pytest.skip("no torchrun")
+    return launcher
+
+
+def close(a: dict[int, float], b: dict[int, float]) -> bool:
+    return sorted(a) == sorted(b) and all(math.isclose(a[k], b[k], rel_tol=1e-5) for k in a)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddpref")
+    rc, log = run(root / "out", hook=None, launcher=torchrun(29571), timeout=400)
+    assert rc == 0, log[-3000:]
+    return losses(log)
+
+
+def test_forward_oom_on_rank_1_saves_the_replica_and_a_2_rank_resume_is_exact(tmp_path, ddp_reference):
+    out = tmp_path / "out"
+    # Rank 1's 16th forward is the second micro-batch of step 8: steps 6 and 7 are newer than checkpoint-5.
+    t0 = time.monotonic()
+    rc, log = run(out, "--oom-forward", "16", "--oom-rank", "1", launcher=torchrun(29572), timeout=400)
+    took = time.monotonic() - t0
+    assert rc != 0
+    saved = SAVED_RE.search(log)
+    assert saved and saved[1] == "7" and saved[2] == str(out / "checkpoint-7"), markers(log)
+    em = parse_emergency(log.splitlines())
+    assert (em.outcome, em.step, em.rank, em.world_size, em.rng_ranks) == ("saved", 7, 1, 2, (0, 1)), em
+    scan = scan_output_dir(out, expected_world_size=2)
+    assert [c.step for c in scan.complete] == [5, 7] and scan.incomplete == ()
+    assert not list(out.glob("tmp-*"))
+    regular = {p.name for p in (out / "checkpoint-5").iterdir()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= regular
+    assert {p.name for p in (out / "checkpoint-7").iterdir()} == regular | {NOTE}  # a regular 2-rank save's files
+    note = json.loads((out / "checkpoint-7" / NOTE).read_text())
+    assert (note["step"], note["failing_rank"], note["writer_rank"], note["rng_from_ranks"]) == (7, 1, 1, [0, 1])
+    print(f"OOM run {took:.0f} s; save {note['save_s']} s (RNG answers after {note['rng_wait_s']} s)")
+
+    rc, log2 = run(out, "--resume", str(out / "checkpoint-7"), launcher=torchrun(29573), timeout=400)
+    assert rc == 0, log2[-3000:]
+    got = {**losses(log), **losses(log2)}
+    assert sorted(got) == list(range(1, 13))  # 0 finished steps lost
+    # Attention dropout is on: steps 8-12 match only with both ranks' RNG of step 7's end.
+    assert close(got, ddp_reference), (got, ddp_reference)
+
+
+def test_oom_inside_the_optimizer_step_on_rank_1_saves_nothing_and_names_the_rank(tmp_path):
+    out = tmp_path / "out"
+    rc, log = run(out, "--oom-optimizer", "8", "--oom-rank", "1", launcher=torchrun(29574), timeout=400)
+    assert rc != 0
+    said = [m for m in markers(log) if m.startswith("oom-supervisor: no emergency checkpoint:")]
+    assert len(said) == 1, markers(log)
+    assert "the OOM hit the optimizer step of step 8 on rank 1 of 2" in said[0] and "half-updated" in said[0]
+    assert parse_emergency(log.splitlines()).outcome == "not_attempted"
+    assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
+    assert not (out / "checkpoint-7").exists() and not list(out.glob("tmp-*"))
+
+
+def test_a_rank_that_never_answers_means_no_save_within_the_budget(tmp_path):
+    out = tmp_path / "out"
+    pid_file = Path(f"{out}.rank0.pid")
+    try:
+        # Rank 1 stops rank 0 (SIGSTOP) right before its OOM: rank 0's watcher can never answer.
+        rc, log = run(out, "--oom-forward", "16", "--oom-rank", "1", "--freeze-rank0", launcher=torchrun(29575),
+                      timeout=400, env_extra={"OOM_SUPERVISOR_EMERGENCY_BUDGET_S": "6"})
+    finally:
+        if pid_file.exists():  # torchrun SIGKILLs it in the end; never leave a stopped process behind
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert rc != 0
+    said = [m for m in markers(log) if m.startswith("oom-supervisor: no emergency checkpoint:")]
+    assert len(said) == 1, markers(log)
+    assert "rank 1 of 2" in said[0] and "rank(s) [0]" in said[0] and "did not answer within 3.0 s" in said[0]
+    assert "budget 6 s" in said[0], said[0]
+    em = parse_emergency(log.splitlines())
+    assert em.outcome == "not_attempted"
+    assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
+    assert not (out / "checkpoint-7").exists() and not list(out.glob("tmp-*"))
