@@ -149,3 +149,5 @@ trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt,
                   callbacks=[PrintLoss()])
 trainer.train(resume_from_checkpoint=a.resume)
 print("TRAINING DONE", flush=True)
+if torch.distributed.is_initialized():  # else gloo's threads may abort the exit ("terminate called ...", measured)
+    torch.distributed.destroy_process_group()

@@ -195,8 +195,9 @@ def _make_tracker(trainer):
             self.snap = _snapshot(trainer)
 
         def on_train_end(self, args, state, control, **kw):
-            if self.watcher is not None:
+            if self.watcher is not None:  # joined: no store call of ours may be running at exit
                 self.watcher.stop.set()
+                self.watcher.join(timeout=5)
                 self.watcher = None
 
     return EmergencyTracker()
@@ -309,7 +310,7 @@ def _on_oom_replica(trainer, tracker, exc, step, world, what):
     budget = replica.budget_s()
     deadline = time.monotonic() + budget
     final = _final_dir(trainer, step)
-    if _regular_save_done(final, budget / 2):
+    if _regular_save_done(final, budget / 4):
         say(f"emergency checkpoint at step {step}: {final} (already saved by the regular schedule)")
         return
     channel = tracker.watcher.channel
