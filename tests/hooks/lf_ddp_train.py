@@ -43,5 +43,9 @@ class OOMInForward(TrainerCallback):
 
 sys.argv = [sys.argv[0], job]  # run_exp reads the YAML path from argv
 run_exp(callbacks=[OOMInForward()] if oom_forward else [])
-if torch.distributed.is_initialized():
+if torch.distributed.is_initialized():  # see plain_trainer.py: gloo's teardown may abort a finished rank
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -16,6 +16,7 @@ Prints `LOSS <step> <loss>` per logged step and exits 0 when training ends.
 import argparse
 import os
 import signal
+import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -33,6 +34,8 @@ p.add_argument("--oom-save", type=int, default=0, help="OOM in the K-th RNG save
                "trainer_state.json): a regular checkpoint cut off mid-save")
 p.add_argument("--freeze-rank0", action="store_true", help="under torchrun: the OOMing rank first stops "
                "rank 0 (SIGSTOP; its pid in <out>.rank0.pid): a rank that can never answer")
+p.add_argument("--rank-seed", action="store_true", help="each rank reseeds torch at train begin (1000 + rank): "
+               "the ranks' dropout draws differ, so every rank's own RNG file matters for an exact resume")
 p.add_argument("--resume", default=None)
 p.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (run under torchrun)")
 a = p.parse_args()
@@ -118,6 +121,10 @@ torch.load = load
 
 
 class PrintLoss(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kw):
+        if a.rank_seed:  # a resume loads the checkpoint's RNG later, in the first epoch
+            torch.manual_seed(1000 + RANK)
+
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs and RANK == 0:
             print(f"LOSS {state.global_step} {logs['loss']!r}", flush=True)
@@ -149,5 +156,12 @@ trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt,
                   callbacks=[PrintLoss()])
 trainer.train(resume_from_checkpoint=a.resume)
 print("TRAINING DONE", flush=True)
-if torch.distributed.is_initialized():  # else gloo's threads may abort the exit ("terminate called ...", measured)
+if torch.distributed.is_initialized():
+    # torch 2.14's gloo teardown sometimes aborts a rank after training finished ("terminate called
+    # without an active exception", rank 0 SIGABRT: 2 of ~8 two-rank runs, with and without the hook
+    # and with destroy_process_group): this exit status must say whether training finished.
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
