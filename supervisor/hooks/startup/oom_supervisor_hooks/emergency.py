@@ -174,7 +174,7 @@ def _make_tracker(trainer):
                 from . import replica
 
                 if replica.sharded(trainer) is None:
-                    self.watcher = replica.start(trainer, self, world)
+                    self.watcher = replica.start(world)
             if getattr(trainer, "is_deepspeed_enabled", False):
                 # accelerate runs DeepSpeed's optimizer step inside backward (engine.step())
                 _watch_step(getattr(trainer, "model_wrapped", None), trainer, self)
@@ -193,6 +193,8 @@ def _make_tracker(trainer):
             self.unsafe = None
             self.finished += 1
             self.snap = _snapshot(trainer)
+            if self.watcher is not None:
+                self.watcher.keep(self.snap)
 
         def on_train_end(self, args, state, control, **kw):
             if self.watcher is not None:  # joined: no store call of ours may be running at exit

@@ -7,7 +7,8 @@ any collective. Only the RNG state is per rank (`rng_state_{r}.pth`): rank r's i
 r only. So every rank runs a small daemon thread (`Watcher`) that polls the job's own
 rendezvous store (the default process group's TCPStore, reachable across nodes; its main thread
 may be blocked in gloo/NCCL, a thread still runs) for a request "emergency save of step N" and
-answers with its step-N snapshot (RNG, FLOs; taken by the tracker at each step's end),
+answers with its step-N snapshot (RNG, FLOs; taken by the tracker at each step's end, the
+last KEEP_STEPS kept: under NCCL a rank's CPU can run ahead of the stuck all-reduce),
 `torch.save`d to bytes. The store carries, under `oom-supervisor/emergency/<restart>/`:
   claim/<N>          an atomic counter: the first failing rank to add 1 writes, others wait
   request            {"step", "rank", "nonce"} (JSON) from the writer
@@ -47,6 +48,7 @@ from . import warn
 BUDGET_ENV = "OOM_SUPERVISOR_EMERGENCY_BUDGET_S"
 DEFAULT_BUDGET_S = 300.0
 POLL_S = 0.5
+KEEP_STEPS = 8  # a few KB each (Python, NumPy, CPU and per-GPU RNG states)
 _ROOT = "oom-supervisor/emergency"
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
                 "broadcast_object_list", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
@@ -128,11 +130,13 @@ class Channel:
 class Watcher(threading.Thread):
     """Answers the writer's request with this rank's step-N snapshot, from a daemon thread."""
 
-    def __init__(self, channel, tracker):
+    def __init__(self, channel):
         super().__init__(name="oom-supervisor-emergency-watcher", daemon=True)
-        self.channel, self.tracker = channel, tracker
+        self.channel = channel
         self.stop = threading.Event()
         self.seen = set()
+        self.lock = threading.Lock()
+        self.history = {}  # step -> snapshot of that step's end, the last KEEP_STEPS steps
 
     def run(self):
         while not self.stop.wait(POLL_S):
@@ -152,28 +156,38 @@ class Watcher(threading.Thread):
         self.seen.add(req["nonce"])
         ch.store.set(ch.key(req["nonce"], "rng", ch.rank), self.answer(int(req["step"]), float(req["wait_s"])))
 
+    def keep(self, snap):
+        """Called at each step's end: under NCCL a rank's CPU may run a few steps ahead of the
+        all-reduce that will never finish, so the step the writer asks for may not be the last."""
+        with self.lock:
+            self.history[snap["step"]] = snap
+            while len(self.history) > KEEP_STEPS:
+                del self.history[min(self.history)]
+
     def answer(self, step, wait_s):
         """The snapshot of `step`'s end; this rank may still be finishing that step: wait for it."""
         import torch
 
         until = time.monotonic() + wait_s
-        snap = self.tracker.snap
-        while (snap is None or snap["step"] < step) and time.monotonic() < until:
+        while True:
+            with self.lock:
+                snap, steps = self.history.get(step), sorted(self.history)
+            if snap is not None or (steps and steps[-1] > step) or time.monotonic() >= until:
+                break
             time.sleep(0.05)
-            snap = self.tracker.snap
-        if snap is None or snap["step"] != step:
-            have = "none" if snap is None else f"step {snap['step']}"
+        if snap is None:
+            have = f"steps {steps[0]}-{steps[-1]}" if steps else "none"
             return f"R rank {self.channel.rank} has no snapshot of step {step} (it has {have})".encode()
         buf = io.BytesIO()
         torch.save(snap, buf)
         return b"S" + buf.getvalue()
 
 
-def start(trainer, tracker, world):
+def start(world):
     """Open the channel and start this rank's watcher; None (said) when the store is out of reach."""
     try:
         channel = Channel.open(world)
-        watcher = Watcher(channel, tracker)
+        watcher = Watcher(channel)
         watcher.start()
         return watcher
     except Exception as exc:  # noqa: BLE001 - inside the user's training: no watcher means no replica save
