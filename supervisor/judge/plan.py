@@ -25,6 +25,7 @@ from supervisor.judge.kinds import JobKind, kind_of
 from supervisor.judge.load_check import LoadCheck, check_load
 from supervisor.judge.policy.render import (
     DS_UNIVERSAL_FIX_ENV,
+    EMERGENCY_BUDGET_ENV,
     EMERGENCY_CKPT_ENV,
     RenderedAttempt,
     render_attempt,
@@ -326,6 +327,8 @@ def with_policy_switches(overrides: Overrides, policy: Policy | None) -> Overrid
     """What the policy switches off for every attempt (rendered, not recorded as a remedy)."""
     if policy is not None and not policy.emergency_checkpoint:
         return dataclasses.replace(overrides, env={**overrides.env, EMERGENCY_CKPT_ENV: "0"})
+    if policy is not None and policy.emergency_budget_s is not None:
+        return dataclasses.replace(overrides, env={**overrides.env, EMERGENCY_BUDGET_ENV: f"{policy.emergency_budget_s:g}"})
     return overrides
 
 

@@ -221,6 +221,13 @@ def test_a_policy_can_switch_the_emergency_checkpoint_off_for_every_attempt():
     assert planned(facts()).env.get("OOM_SUPERVISOR_EMERGENCY_CKPT") != "0"
 
 
+def test_a_policy_sets_the_budget_of_a_multi_rank_emergency_save():
+    assert "OOM_SUPERVISOR_EMERGENCY_BUDGET_S" not in planned(facts()).env  # the hook's default
+    timed = POLICY.model_copy(update={"emergency_budget_s": 90.0})
+    assert planned(facts(policy=timed)).env["OOM_SUPERVISOR_EMERGENCY_BUDGET_S"] == "90"
+    assert planned(facts(policy=timed)).overrides == Overrides(), "a switch, not a remedy"
+
+
 def test_a_generated_deepspeed_config_is_rendered_and_checked():
     zero3 = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}

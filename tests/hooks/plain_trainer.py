@@ -9,11 +9,14 @@ fixed random token ids. The OOMs are PyTorch's real CPU-allocator failure: an al
 Run under torchrun for the multi-rank case (`--oom-rank R` limits the OOM to rank R) and for
 `--deepspeed CONFIG` (the Trainer then builds torch's AdamW, which DeepSpeed steps inside
 `engine.step()`: --oom-optimizer then fails in the K-th `torch.optim.AdamW.step`, after it).
+`--freeze-rank0` stops rank 0 (SIGSTOP) right before the OOM.
 Prints `LOSS <step> <loss>` per logged step and exits 0 when training ends.
 """
 
 import argparse
 import os
+import signal
+import sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -29,6 +32,10 @@ p.add_argument("--oom-optimizer", type=int, default=0)
 p.add_argument("--oom-rank", type=int, default=-1)
 p.add_argument("--oom-save", type=int, default=0, help="OOM in the K-th RNG save (the last file before "
                "trainer_state.json): a regular checkpoint cut off mid-save")
+p.add_argument("--freeze-rank0", action="store_true", help="under torchrun: the OOMing rank first stops "
+               "rank 0 (SIGSTOP; its pid in <out>.rank0.pid): a rank that can never answer")
+p.add_argument("--rank-seed", action="store_true", help="each rank reseeds torch at train begin (1000 + rank): "
+               "the ranks' dropout draws differ, so every rank's own RNG file matters for an exact resume")
 p.add_argument("--resume", default=None)
 p.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (run under torchrun)")
 a = p.parse_args()
@@ -37,7 +44,15 @@ RANK = int(os.environ.get("RANK", "0"))
 ARMED = a.oom_rank < 0 or a.oom_rank == RANK
 
 
+if a.freeze_rank0 and RANK == 0:
+    with open(f"{a.out}.rank0.pid", "w") as fh:
+        fh.write(str(os.getpid()))
+
+
 def oom():
+    if a.freeze_rank0:
+        with open(f"{a.out}.rank0.pid") as fh:
+            os.kill(int(fh.read()), signal.SIGSTOP)
     torch.empty(1 << 50, dtype=torch.uint8)  # RuntimeError: DefaultCPUAllocator: can't allocate memory
 
 
@@ -89,8 +104,27 @@ def save_rng(self, output_dir):
 
 Trainer._save_rng_state = save_rng
 
+# transformers 5.6 loads optimizer.pt of a multi-rank run with map_location=args.device, which is
+# `cpu:0` for CPU ranks, and torch 2.14 cannot restore that tag: resuming ANY 2-rank CPU run (a
+# regular checkpoint too; measured on checkpoint-5) fails with "don't know how to restore data
+# location ... (tagged with cpu:0)". GPU ranks (cuda:N) are unaffected. The harness maps it to cpu.
+_load = torch.load
+
+
+def load(*args, map_location=None, **kwargs):
+    if isinstance(map_location, torch.device) and map_location.type == "cpu":
+        map_location = "cpu"
+    return _load(*args, map_location=map_location, **kwargs)
+
+
+torch.load = load
+
 
 class PrintLoss(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kw):
+        if a.rank_seed:  # a resume loads the checkpoint's RNG later, in the first epoch
+            torch.manual_seed(1000 + RANK)
+
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs and RANK == 0:
             print(f"LOSS {state.global_step} {logs['loss']!r}", flush=True)
@@ -122,3 +156,12 @@ trainer = Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt,
                   callbacks=[PrintLoss()])
 trainer.train(resume_from_checkpoint=a.resume)
 print("TRAINING DONE", flush=True)
+if torch.distributed.is_initialized():
+    # torch 2.14's gloo teardown sometimes aborts a rank after training finished ("terminate called
+    # without an active exception", rank 0 SIGABRT: 2 of ~8 two-rank runs, with and without the hook
+    # and with destroy_process_group): this exit status must say whether training finished.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

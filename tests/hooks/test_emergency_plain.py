@@ -153,19 +153,7 @@ def test_failing_save_on_a_full_disk_leaves_no_checkpoint_that_looks_complete(tm
         subprocess.run(["umount", str(out)], check=False)
 
 
-def test_multi_rank_oom_saves_nothing_and_says_so(tmp_path):
-    out = tmp_path / "out"
-    torchrun = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29533"]
-    if not Path(torchrun[0]).exists():
-        pytest.skip("no torchrun")
-    # Rank 1 fails in its 16th forward (step 8); rank 0 waits in the gradient all-reduce.
-    rc, log = run(out, "--oom-forward", "16", "--oom-rank", "1", launcher=torchrun, timeout=240)
-    assert rc != 0
-    said = [m for m in markers(log) if m.startswith("oom-supervisor: no emergency checkpoint:")]
-    assert len(said) == 1 and "rank 1 of 2" in said[0] and "collective" in said[0], markers(log)
-    assert parse_emergency(log.splitlines()).outcome == "not_attempted"
-    assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
-    assert not (out / "checkpoint-7").exists()
+# The multi-rank (DDP replica) cases: test_emergency_ddp.py.
 
 
 # --- DeepSpeed ZeRO-3 on one CPU rank (torchrun --nproc_per_node 1) ---------------------------

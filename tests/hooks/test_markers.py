@@ -43,3 +43,19 @@ def test_rank_prefixes_and_carriage_returns_are_read_and_nothing_else_is():
     assert parse_emergency(["50%|#####     | 4/8\r" + SAVED]).outcome == "saved"
     assert parse_emergency(["a sample that mentions oom-supervisor: in its text", *TRACEBACK]) is None
     assert parse_emergency([]) is None
+
+
+def test_a_replica_save_says_which_rank_wrote_it_and_whose_rng_it_holds():
+    lines = [("[rank1]: oom-supervisor: emergency checkpoint: saving step 7 to /o/checkpoint-7 (after a CPU-allocator "
+             "OOM on rank 1 of 2; gradients dropped, caches emptied: resident memory 700 MiB -> 690 MiB)"),
+             ("oom-supervisor: emergency checkpoint: replica of rank 1 of 2: model, optimizer, scheduler and trainer "
+             "state from rank 1; RNG from ranks [0, 1]"),
+             "oom-supervisor: emergency checkpoint at step 7: /o/checkpoint-7 (saved in 1.3 s)", *TRACEBACK]
+    got = parse_emergency(lines)
+    assert (got.outcome, got.step, got.rank, got.world_size, got.rng_ranks) == ("saved", 7, 1, 2, (0, 1))
+    # A second failing rank that leaves the save to the first is no outcome of its own.
+    later = parse_emergency([*lines, ("oom-supervisor: emergency checkpoint: rank 0 of 2 leaves the save of step 7 "
+                             "to the rank that claimed it first")])
+    assert later.outcome == "saved" and later.rank == 1
+    # One process: no rank fields.
+    assert parse_emergency([SAVED]).rank is None and parse_emergency([SAVED]).rng_ranks == ()

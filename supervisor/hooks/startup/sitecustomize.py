@@ -5,9 +5,11 @@ in every process, torchrun ranks included. Each feature is switched on by its ow
 costs nothing when off:
 
   OOM_SUPERVISOR_MEMORY_FRACTION=0.88   cap PyTorch's GPU memory of this rank (memory_fraction.py)
-  OOM_SUPERVISOR_EMERGENCY_CKPT=1       on a catchable OOM in a one-process transformers Trainer
-                                        run, save a complete checkpoint of the last finished step
-                                        before exiting (emergency.py)
+  OOM_SUPERVISOR_EMERGENCY_CKPT=1       on a catchable OOM in a transformers Trainer run (one
+                                        process, or a DDP replica), save a complete checkpoint of
+                                        the last finished step before exiting (emergency.py,
+                                        replica.py); OOM_SUPERVISOR_EMERGENCY_BUDGET_S bounds a
+                                        replica's save (default 300 s)
   OOM_SUPERVISOR_PEAK_FILE=PATH         record peak GPU memory per device into PATH (JSON) at exit
                                         and on the OOM path (peak.py)
   OOM_SUPERVISOR_DS_UNIVERSAL_FIX=1     correct DeepSpeed's ZeRO-3 universal checkpoint load (a

@@ -28,6 +28,8 @@ HOOK_DIR = PACKAGE_DIR / "hooks" / "startup"
 # turns it off with `supervisor.env: {OOM_SUPERVISOR_EMERGENCY_CKPT: "0"}`, a policy through
 # Overrides.env with the same value.
 EMERGENCY_CKPT_ENV = "OOM_SUPERVISOR_EMERGENCY_CKPT"
+# Read by the start-up hook (replica.py): the seconds a multi-rank emergency save may take.
+EMERGENCY_BUDGET_ENV = "OOM_SUPERVISOR_EMERGENCY_BUDGET_S"
 # Read by the start-up hook (ds_universal.py): "1" corrects DeepSpeed's ZeRO-3 universal load.
 DS_UNIVERSAL_FIX_ENV = "OOM_SUPERVISOR_DS_UNIVERSAL_FIX"
 EFFECTIVE_YAML = "effective.yaml"
@@ -40,6 +42,8 @@ _WHY = {
     "resume_from_checkpoint": "resume from the last complete checkpoint",
     EMERGENCY_CKPT_ENV: "start-up hook: a catchable OOM in a one-process Trainer run saves a checkpoint of "
                         "the last finished step before the process exits (training itself unchanged)",
+    EMERGENCY_BUDGET_ENV: "start-up hook: the policy's emergency_budget_s, the most a multi-rank (DDP replica) "
+                          "emergency save may take before the rank gives up and exits",
     "PYTHONPATH": "puts the supervisor's start-up hook (a sitecustomize) first",
     DS_UNIVERSAL_FIX_ENV: "start-up hook: after DeepSpeed's ZeRO-3 universal load, each state gets its own Adam "
                           "step counter and each param group its own weight decay (DeepSpeed 0.19 shares one "

@@ -140,6 +140,9 @@ class Policy(_Strict):
     # The start-up hook's emergency checkpoint of the last finished step on a catchable OOM (one
     # process): on by default; a job turns it off with env OOM_SUPERVISOR_EMERGENCY_CKPT: "0".
     emergency_checkpoint: bool = True
+    # Seconds a multi-rank (DDP replica) emergency save may take in all, the other ranks' RNG
+    # included (OOM_SUPERVISOR_EMERGENCY_BUDGET_S); None: the hook's own default, 300 s.
+    emergency_budget_s: float | None = Field(default=None, gt=0)
     # Switching a run to DeepSpeed (or between ZeRO stages) cannot load the
     # checkpoints it already wrote; with this false such a rung is skipped.
     allow_restart_for_deepspeed: bool = False

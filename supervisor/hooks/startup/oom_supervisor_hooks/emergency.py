@@ -3,7 +3,7 @@
 Installed after `import transformers.trainer` when OOM_SUPERVISOR_EMERGENCY_CKPT=1. It wraps
 `Trainer.train` (subclasses such as LLaMA-Factory's inherit it) and adds a callback that knows
 where in the step the run is. When train() raises a catchable OOM (torch.OutOfMemoryError on
-CUDA/HIP, or PyTorch's CPU allocator failure) in a run with ONE process:
+CUDA/HIP, or PyTorch's CPU allocator failure) in a run with ONE process (several: see below):
 
   1. memory is released: the traceback's frames (activations, the batch, the graph) are
      cleared, gradients dropped (`zero_grad(set_to_none=True)` on model and optimizer),
@@ -23,17 +23,22 @@ optimizer state may be half-updated: then nothing is saved, and the marker says 
 trainer accumulates per micro-batch (tokens seen, FLOs, RNG) is restored to its value at the end
 of step N first, so the checkpoint equals the one a regular save at step N would have written.
 
-Multi-rank (WORLD_SIZE > 1): nothing is saved. The other ranks are inside (or about to enter) a
-collective that this rank will never join; a save needs them all (DeepSpeed/FSDP shards, the
-barrier in `_save_checkpoint`). The rank prints why and re-raises at once (no memory release, no
-wait); torchrun's agent sees the failed worker and SIGTERMs the others (measured on 2 CPU ranks
-with gloo: rank 0's all-reduce fails with "Connection closed by peer", torchrun exits 1, rank 0
-shows exitcode -15). The supervisor resumes from the last regular checkpoint.
+Multi-rank (WORLD_SIZE > 1), replicated state (DDP, LoRA under DDP; replica.py): the failing
+rank writes checkpoint-N alone, with no collective (the others wait in one it will not join),
+made the writer for the save's duration; the other ranks' RNG state of step N comes from a
+watcher thread of each rank through torchrun's store. The same rules hold (step N's state only,
+staging and rename); in addition a rank that does not answer within the budget
+(OOM_SUPERVISOR_EMERGENCY_BUDGET_S) means no save, the whole save is bounded by that budget, and
+the rank exits (so torchrun tears the others down) only once the save is done. Two ranks that
+fail at once: the first to claim the step writes, the other waits for it. Sharded state
+(DeepSpeed, FSDP): nothing is saved, and the marker says why.
 
 Marker lines (stdout, each starting a line of its own; `supervisor.hooks.markers` reads them):
   oom-supervisor: emergency checkpoint: saving step N to <output_dir>/checkpoint-N (after <what>; <freed>)
   oom-supervisor: emergency checkpoint: moved the incomplete <path> (a regular save ...) to <dest>
+  oom-supervisor: emergency checkpoint: replica of rank R of W: ...; RNG from ranks [0, 1, ...]
   oom-supervisor: emergency checkpoint at step N: <path> (saved in <s> s)
+  oom-supervisor: emergency checkpoint: rank R of W leaves the save of step N to the rank that claimed it first
   oom-supervisor: emergency checkpoint at step N: <path> (already saved by the regular schedule)
   oom-supervisor: emergency checkpoint at step N failed: <ExceptionType>: <message>
   oom-supervisor: no emergency checkpoint: <why>
@@ -41,7 +46,9 @@ Nothing else is changed: no training setting, no regular save, no rotation of ol
 (the save's rotation runs inside the staging folder).
 """
 
+import contextlib
 import gc
+import json
 import os
 import random
 import shutil
@@ -53,6 +60,7 @@ from . import warn
 
 PREFIX = "oom-supervisor:"
 STATE_FILE = "trainer_state.json"
+NOTE_FILE = "oom-supervisor-emergency.json"  # inside a checkpoint written by a replica (several ranks)
 QUARANTINE_DIR = ".supervisor-quarantine"  # the supervisor's own (checkpoints.py); not `checkpoint-*`
 _CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
 _GPU_OOM = ("CUDA out of memory.", "HIP out of memory.")  # old torch raised a plain RuntimeError
@@ -157,9 +165,16 @@ def _make_tracker(trainer):
             self.finished = 0  # optimizer steps finished in this process
             self.unsafe = None  # why the optimizer/parameter state may be half-updated, or None
             self.snap = None
+            self.watcher = None  # answers a replica's emergency save (several ranks; replica.py)
 
         def on_train_begin(self, args, state, control, **kw):
             self.started_at, self.finished, self.unsafe = state.global_step, 0, None
+            world = _world_size(trainer)
+            if world > 1 and self.watcher is None:
+                from . import replica
+
+                if replica.sharded(trainer) is None:
+                    self.watcher = replica.start(world)
             if getattr(trainer, "is_deepspeed_enabled", False):
                 # accelerate runs DeepSpeed's optimizer step inside backward (engine.step())
                 _watch_step(getattr(trainer, "model_wrapped", None), trainer, self)
@@ -178,6 +193,14 @@ def _make_tracker(trainer):
             self.unsafe = None
             self.finished += 1
             self.snap = _snapshot(trainer)
+            if self.watcher is not None:
+                self.watcher.keep(self.snap)
+
+        def on_train_end(self, args, state, control, **kw):
+            if self.watcher is not None:  # joined: no store call of ours may be running at exit
+                self.watcher.stop.set()
+                self.watcher.join(timeout=5)
+                self.watcher = None
 
     return EmergencyTracker()
 
@@ -203,7 +226,7 @@ def _snapshot(trainer):
     snap = {"python": random.getstate(), "numpy": np.random.get_state(),
             "cpu": torch.random.get_rng_state(),
             "tokens": getattr(trainer.state, "num_input_tokens_seen", None),
-            "flos": getattr(trainer, "current_flos", None)}
+            "flos": getattr(trainer, "current_flos", None), "step": trainer.state.global_step}
     if torch.cuda.is_initialized():
         snap["cuda"] = torch.cuda.random.get_rng_state_all()
     return snap
@@ -234,9 +257,7 @@ def on_oom(trainer, tracker, exc, kind):
     world = _world_size(trainer)
     what = "a GPU OOM" if kind == "gpu" else "a CPU-allocator OOM"
     if world > 1:
-        say(f"no emergency checkpoint: {what} on rank {os.environ.get('RANK', '?')} of {world}; the other "
-            f"ranks wait in a collective this rank will not join, so no coordinated save is possible; "
-            f"the last regular checkpoint is the resume point")
+        _on_oom_replica(trainer, tracker, exc, step, world, what)
         return
     freed = release_memory(trainer, exc)
     if tracker.unsafe is not None:
@@ -264,6 +285,105 @@ def on_oom(trainer, tracker, exc, kind):
         say(f"emergency checkpoint at step {step}: {path} (already saved by the regular schedule)")
     else:
         say(f"emergency checkpoint at step {step}: {path} (saved in {time.monotonic() - t0:.1f} s)")
+
+
+def _on_oom_replica(trainer, tracker, exc, step, world, what):
+    """Several ranks: this rank writes checkpoint-N alone when the state is a replica (replica.py)."""
+    from . import replica
+
+    rank = replica._rank()
+    who = f"rank {rank} of {world}"
+    last = "the last regular checkpoint is the resume point"
+    why = replica.sharded(trainer)
+    if why is None and tracker.watcher is None:
+        why = "no store to reach the other ranks' RNG state (see the hook's warning at start)"
+    if why is not None:
+        say(f"no emergency checkpoint: {what} on {who}: {why}; {last}")
+        return
+    freed = release_memory(trainer, exc)
+    if tracker.unsafe is not None:
+        say(f"no emergency checkpoint: {tracker.unsafe} on {who}: parameters and optimizer state may be "
+            f"half-updated, so saving them as step {step} would be wrong; {last}")
+        return
+    if tracker.started_at is None or tracker.finished == 0:
+        say(f"no emergency checkpoint: {what} on {who} before any optimizer step finished in this process; "
+            f"nothing newer than the checkpoint it started from (if any) to save")
+        return
+    budget = replica.budget_s()
+    deadline = time.monotonic() + budget
+    final = _final_dir(trainer, step)
+    if _regular_save_done(final, budget / 4):
+        say(f"emergency checkpoint at step {step}: {final} (already saved by the regular schedule)")
+        return
+    channel = tracker.watcher.channel
+    if channel.store.add(channel.key("claim", step), 1) > 1:  # another failing rank writes it: wait, then exit
+        say(f"emergency checkpoint: {who} leaves the save of step {step} to the rank that claimed it first")
+        _wait_for(lambda: channel.has(channel.key("claim", step, "done")), deadline)
+        return
+    try:
+        _replica_save(trainer, tracker, exc, step, (rank, world, what, freed), budget, deadline)
+    finally:
+        channel.store.set(channel.key("claim", step, "done"), "1")
+
+
+def _replica_save(trainer, tracker, exc, step, who, budget, deadline):
+    from . import replica
+
+    rank, world, what, freed = who
+    t0 = time.monotonic()
+    answers, missing = replica.collect(tracker.watcher.channel, step, budget / 2)
+    if missing:
+        why = "; ".join(missing[r] for r in sorted(missing))
+        say(f"no emergency checkpoint: {what} on rank {rank} of {world}: the RNG state of step {step} of "
+            f"rank(s) {sorted(missing)} is missing ({why}; budget {budget:.0f} s, {replica.BUDGET_ENV}): "
+            f"without it resume is not bit-exact for that rank and a checkpoint without its rng_state file "
+            f"reads as incomplete; the last regular checkpoint is the resume point")
+        return
+    final = _final_dir(trainer, step)
+    say(f"emergency checkpoint: saving step {step} to {final} (after {what} on rank {rank} of {world}; {freed})")
+    rng_ranks = sorted([rank, *answers])
+    note = {"step": step, "failing_rank": rank, "world_size": world, "writer_rank": rank,
+            "from_writer": ["model", "optimizer", "scheduler", "trainer_state", f"rng_state_{rank}"],
+            "rng_from_ranks": rng_ranks, "rng_wait_s": round(time.monotonic() - t0, 3),
+            "budget_s": budget, "cause": what}
+    staging = os.path.join(_run_dir(trainer), f"tmp-checkpoint-{step}")
+
+    def expired():
+        say(f"emergency checkpoint at step {step} failed: not done within the budget of {budget:.0f} s "
+            f"({replica.BUDGET_ENV}); {staging} is not a checkpoint")
+        traceback.print_exception(exc)
+        sys.stderr.flush()
+        os._exit(1)
+
+    try:
+        with replica.Watchdog(deadline - time.monotonic(), expired):
+            path, already = save(trainer, step, tracker.snap,
+                                 scope=lambda: replica.writer_scope(trainer, tracker.snap, answers),
+                                 note=lambda: {**note, "save_s": round(time.monotonic() - t0, 3)})
+    except Exception as err:  # noqa: BLE001 - the save failed: say so and let the OOM end the run as it would have
+        say(f"emergency checkpoint at step {step} failed: {type(err).__name__}: {err}")
+        return
+    if already:
+        say(f"emergency checkpoint at step {step}: {path} (already saved by the regular schedule)")
+        return
+    say(f"emergency checkpoint: replica of rank {rank} of {world}: model, optimizer, scheduler and trainer "
+        f"state from rank {rank}; RNG from ranks {rng_ranks}")
+    say(f"emergency checkpoint at step {step}: {path} (saved in {time.monotonic() - t0:.1f} s)")
+
+
+def _regular_save_done(final, wait_s):
+    """Process 0 may still be writing a regular checkpoint-N that this rank finished its part of."""
+    if not os.path.isdir(final):
+        return False
+    return _wait_for(lambda: os.path.isfile(os.path.join(final, STATE_FILE)), time.monotonic() + wait_s)
+
+
+def _wait_for(cond, deadline):
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def release_memory(trainer, exc):
@@ -328,8 +448,11 @@ def _final_dir(trainer, step):
     return os.path.join(_run_dir(trainer), f"checkpoint-{step}")
 
 
-def save(trainer, step, snap):
-    """Write checkpoint-`step` through the Trainer's own save, staged; return (path, already)."""
+def save(trainer, step, snap, scope=None, note=None):
+    """Write checkpoint-`step` through the Trainer's own save, staged; return (path, already).
+
+    `scope` (a context manager factory) is entered around the save and its on_save callbacks;
+    `note()` is a dict written into the checkpoint as NOTE_FILE before it is renamed."""
     run_dir = _run_dir(trainer)
     final = os.path.join(run_dir, f"checkpoint-{step}")
     if os.path.isdir(final):
@@ -342,11 +465,16 @@ def save(trainer, step, snap):
     if snap is not None:
         _restore(trainer, snap)
     trainer._get_output_dir = lambda trial=None: staging  # the save (and its rotation) stays inside
+    scope = scope or contextlib.nullcontext
     try:
-        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        with scope():
+            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
         produced = os.path.join(staging, f"checkpoint-{step}")
         if not os.path.isfile(os.path.join(produced, STATE_FILE)):
             raise RuntimeError(f"the Trainer's save left no {STATE_FILE} in {produced}")
+        if note is not None:
+            with open(os.path.join(produced, NOTE_FILE), "w") as fh:
+                json.dump(note(), fh, indent=1)
         _fsync_tree(produced)
         os.rename(produced, final)
         _fsync_dir(run_dir)
@@ -357,7 +485,8 @@ def save(trainer, step, snap):
         del trainer._get_output_dir
     shutil.rmtree(staging, ignore_errors=True)
     try:  # what a regular save does next (e.g. LLaMA-Factory saves the tokenizer/processor)
-        trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
+        with scope():
+            trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
     except Exception as exc:  # noqa: BLE001 - the checkpoint is written; a user callback's failure must not undo it
         warn(f"on_save callbacks after the emergency checkpoint failed: {exc!r}")
     return final, False
