@@ -71,7 +71,9 @@ _EXC_RE = re.compile(
     # ("pydantic.error_wrappers  File ..." / ".ValidationError: 3 validation errors for ...")
     r"^\.?(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
     # any CamelCase class with a module path: triton.runtime.errors.OutOfResources
-    r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*)"
+    r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*"
+    # the stdlib's lowercase socket errors (socket.gaierror: a failed name lookup)
+    r"|socket\.(?:gaierror|herror|timeout))"
     # Ray re-raises a task's exception as RayTaskError(<the task's class>)
     r"(?:\((?P<inner>[A-Za-z_]\w*)\))?(?::\s?(?P<msg>.*))?$"
 )
@@ -269,6 +271,8 @@ _RULE_TRIGGERS = (
     "Max retries exceeded", "Failed to establish a new connection",  # families/environment.py
     "page fault", "PAGE_FAULT", "job_timedout", "GPU reset", "GPU fault detected", "AER:",  # kernel lines (kernel.py)
     "server socket", "resolve host", "ReadTimeout", "ConnectTimeout", "Read timed out",
+    "getaddrinfo failed", "specific connection error", "connect timeout=",
+    ".tempstate", "write error: wrote",  # families/disk.py
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 

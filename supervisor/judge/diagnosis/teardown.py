@@ -29,6 +29,7 @@ _NOISE_RE = re.compile(
       | (?:Aborted|Segmentation\ fault|Bus\ error|Floating\ point\ exception)(?:\ \(core\ dumped\))?$
       | Fatal\ Python\ error: | (?:Current\ )?[Tt]hread\ 0x[0-9a-f]+ | Extension\ modules:
       | Exception\ ignored\ in
+      | stack\ traceback:$ | \[C\]:\ (?:in|at)\  | \S+\.lua:\d+:\ in\ (?:function|main\ chunk)\b  # Lua's traceback
       | CUDA\ kernel\ errors\ might\ be | HIP\ kernel\ errors\ might\ be | For\ debugging\ consider\ passing
       | Compile\ with\ `TORCH_USE_\w+_DSA`
       # launchers: torchrun / torchelastic summary, DeepSpeed, accelerate, mpirun, srun

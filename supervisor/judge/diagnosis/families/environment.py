@@ -11,7 +11,12 @@ from supervisor.judge.diagnosis.hits import HINT, ROOT, Hit, Segment
 _ENV_RE = re.compile(
     r"Temporary failure in name resolution|NameResolutionError|Failed to resolve|Name or service not known"
     r"|ReadTimeoutError|ConnectTimeoutError|MaxRetryError|ConnectionError|ConnectionResetError|Connection aborted"
-    r"|We couldn't connect to '?https?://|couldn't connect to|Network is unreachable|HTTP Error 50[234]|50[234] Server Error"
+    r"|We couldn't connect to '?https?://|couldn't connect to|Network is unreachable|HTTP Error 50[234]"
+    # requests' raise_for_status ('%s Server Error: %s for url: %s'), any 5xx; huggingface_hub re-raises it
+    r"|\b5\d\d Server Error\b"
+    # the resolver's own words (socket.gaierror: glibc's gai_strerror, Windows' WSA 11001); transformers'
+    # wrapper of any hub HTTPError left after not-found/gated/entry errors were told apart
+    r"|getaddrinfo failed|There was a specific connection error when trying to load"
     r"|check your connection|Please check your connection|Internet connection|SSLError|ProxyError"
     r"|\bReadTimeout\b|\bConnectTimeout\b|Read timed out|ConnectionRefusedError|urlopen error"
     r"|429 Client Error|Could not resolve host"
@@ -22,6 +27,8 @@ _ENV_RE = re.compile(
 _HTTP_FAIL_RE = re.compile(
     r"Max retries exceeded with url|Failed to establish a new connection"
     r"|Caused by (?:NewConnection|ConnectTimeout|ReadTimeout|NameResolution|Proxy|SSL)Error"
+    # urllib3's own timeout messages (connectionpool.py, connection.py), in whatever a caller wrapped them
+    r"|Read timed out\. \(read timeout=|timed out\. \(connect timeout="
     # curl, git and wget say a failed lookup in their own words
     r"|Could not resolve host|failed: (?:Temporary failure in name resolution|Name or service not known)"
 )

@@ -1,0 +1,37 @@
+"""A full disk in other writers' words (issue 29, generalising): TensorFlow maps ENOSPC/EDQUOT on a file
+write to RESOURCE_EXHAUSTED (tensorflow/core/platform/errors.cc IOError), its saver writing a
+`.tempstate<N>` bundle; Lua torch's THDiskFile.c says a short fwrite as 'write error: wrote %d blocks
+instead of %d'."""
+
+from supervisor.core.models import Category
+from supervisor.judge.diagnosis import diagnose_bytes
+
+TB = (b"Traceback (most recent call last):\n"
+      b'  File "/usr/lib/python2.7/dist-packages/tensorflow/python/client/session.py", line 985, in _do_call\n'
+      b"    raise type(e)(node_def, op, message)\n")
+
+
+def test_tensorflow_resource_exhausted_on_a_checkpoint_file_is_disk_full():
+    # bench r7 disk_full_tf_saver_save_slices_* (the saver's temp bundle) and TF's errno wording
+    for exc in (b"ResourceExhaustedError: ./model/model-49.tempstate5787507096018461664\n",
+                (b"tensorflow.python.framework.errors_impl.ResourceExhaustedError: /ckpt/model.ckpt-1.data-00000-of-00001"
+                 b".tempstate123; No space left on device\n")):
+        d = diagnose_bytes(TB + exc, None)
+        assert d.category is Category.DISK_FULL, d.summary
+
+
+def test_tensorflow_resource_exhausted_on_a_tensor_stays_gpu_oom():
+    exc = (b"tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor with"
+           b" shape[256,1024] and type float on /job:localhost/replica:0/task:0/device:GPU:0\n")
+    assert diagnose_bytes(TB + exc, None).category is Category.GPU_OOM
+
+
+def test_lua_torch_short_write_is_a_failed_checkpoint_write():
+    # bench r5 disk_full_neuralconvo_* (macournoyer/neuralconvo)
+    log = (b"(Saving model ...)\n"
+           b"/u/torch/install/bin/luajit: /u/torch/install/share/lua/5.1/torch/File.lua:201: write error: wrote 0 blocks"
+           b" instead of 70610 at /u/torch/pkg/torch/lib/TH/THDiskFile.c:331\n"
+           b"stack traceback:\n"
+           b"\t[C]: in function 'write'\n"
+           b"\t/u/torch/install/share/lua/5.1/torch/File.lua:201: in function 'writeObject'\n")
+    assert diagnose_bytes(log, None).category is Category.DISK_FULL
