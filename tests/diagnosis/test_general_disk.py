@@ -35,3 +35,24 @@ def test_lua_torch_short_write_is_a_failed_checkpoint_write():
            b"\t[C]: in function 'write'\n"
            b"\t/u/torch/install/share/lua/5.1/torch/File.lua:201: in function 'writeObject'\n")
     assert diagnose_bytes(log, None).category is Category.DISK_FULL
+
+
+def test_tensorflow_op_kernel_warning_on_a_tempstate_file_is_disk_full():
+    """TF's op_kernel.cc logs the status it failed with ('Resource exhausted: <file>'); bench r7
+    disk_full_kittiseg_* (MarvinTeichmann/KittiSeg), the log's only error line."""
+    log = (b"2018-04-14 02:55:47.490099: W tensorflow/core/framework/op_kernel.cc:1158] Resource exhausted: /r/KittiSeg/"
+           b"model.ckpt-2000.data-00000-of-00001.tempstate13881274976169662731\n")
+    assert diagnose_bytes(log, None).category is Category.DISK_FULL
+
+
+def test_tensorflow_queues_closing_after_it_do_not_hide_it():
+    """TF's queue_base.cc warns as the session's queues are cancelled at shutdown; the traceback that
+    follows is cut (bench r7 disk_full_kittiseg_*)."""
+    log = (b"2018-04-14 02:55:47.490099: W tensorflow/core/framework/op_kernel.cc:1158] Resource exhausted: /r/"
+           b"model.ckpt-2000.data-00000-of-00001.tempstate13881274976169662731\n"
+           b"2018-04-14 02:55:47.491516: W tensorflow/core/kernels/queue_base.cc:294] _0_Queues/fifo_queue: Skipping"
+           b" cancelled enqueue attempt with queue not closed\n"
+           b"Traceback (most recent call last):\n"
+           b'  File "train.py", line 127, in main\n'
+           b"    train.do_training(hypes)\n")
+    assert diagnose_bytes(log, None).category is Category.DISK_FULL

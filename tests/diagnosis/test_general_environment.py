@@ -56,3 +56,10 @@ def test_a_hub_not_found_or_gated_repo_is_still_not_environment():
     for exc in (b"huggingface_hub.errors.RepositoryNotFoundError: 404 Client Error. Repository Not Found for url: x\n",
                 b"huggingface_hub.errors.GatedRepoError: 403 Client Error. Cannot access gated repo for url: x\n"):
         assert diagnose_bytes(_tb(exc), None).category is not Category.ENVIRONMENT
+
+
+def test_a_urllib3_read_timeout_wrapped_at_its_equals_sign():
+    """bench r6 environment_cogvlm2_* (zai-org/CogVLM2): the terminal wrapped 'read timeout' / '=10)'."""
+    log = (b"error   requests.exceptions.ReadTimeout: (ReadTimeoutError(\"HTTPSConnectionPool(host='cdn-lfs-us-1.hugging"
+           b"face.co', port=443): Read timed out. (read timeout\n=10)\"), '(Request ID: 96de49cd)')\n")
+    assert diagnose_bytes(log, None).category is Category.ENVIRONMENT

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, teardown
-from supervisor.judge.diagnosis.families import hang
+from supervisor.judge.diagnosis.families import hang, relay
 from supervisor.judge.diagnosis.families.crash import _SIGKILL_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.hits import COMM, CRASH, HINT, MARKER, ROOT, Hit
@@ -475,6 +475,7 @@ def _unexplained_kill(c: _Case) -> Diagnosis | None:
 
 _BY_SIGNAL = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", "SIGTERM": "sigterm",
               "SIGINT": "interrupted"}
+_UNEXPLAINED_CRASH = ("SIGSEGV", "SIGABRT", "SIGBUS")
 
 
 # Retried kinds read from text alone: training that advanced after the line shows it was survived
@@ -487,7 +488,10 @@ def _signal_or_hint(c: _Case) -> Diagnosis | None:
     hint = _pick_hint([f for f in c.active if f.structural or f.category not in _SURVIVABLE_TEXT
                        or f.line_no >= after])
     if c.signal in _BY_SIGNAL and (hint is None or hint.tier not in (ROOT, COMM)):
-        return plain(Category.CRASH_OTHER, _BY_SIGNAL[c.signal],
+        # how it ended, not why: a crash signal only a launcher relays is unknown (the policy: alike)
+        relayed = relay.only_relayed(f.text for f in c.active)
+        cat = Category.UNKNOWN if c.signal in _UNEXPLAINED_CRASH and relayed else Category.CRASH_OTHER
+        return plain(cat, _BY_SIGNAL[c.signal],
                      f"Ended by {c.signal} with no recognised error in the log.", c.state, tail_evidence(c.state))
     return _hint_diagnosis(hint, c.state) if hint is not None else None
 

@@ -12,7 +12,7 @@ _DISK_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("no_space", re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|os error 28|StorageFull"
                             # TF maps ENOSPC/EDQUOT on a write to RESOURCE_EXHAUSTED (platform/errors.cc
                             # IOError); its saver writes a bundle to a `<prefix>.tempstate<N>` file
-                            r"|ResourceExhausted\w*: \S*\.tempstate\d+")),
+                            r"|(?:ResourceExhausted\w*|Resource exhausted): \S*\.tempstate\d+")),
     ("quota", re.compile(r"Disk quota exceeded|\[Errno 122\]")),
     (
         "checkpoint_write_failed",

@@ -28,7 +28,7 @@ _HTTP_FAIL_RE = re.compile(
     r"Max retries exceeded with url|Failed to establish a new connection"
     r"|Caused by (?:NewConnection|ConnectTimeout|ReadTimeout|NameResolution|Proxy|SSL)Error"
     # urllib3's own timeout messages (connectionpool.py, connection.py), in whatever a caller wrapped them
-    r"|Read timed out\. \(read timeout=|timed out\. \(connect timeout="
+    r"|Read timed out\. \(read timeout\b|timed out\. \(connect timeout="
     # curl, git and wget say a failed lookup in their own words
     r"|Could not resolve host|failed: (?:Temporary failure in name resolution|Name or service not known)"
 )
