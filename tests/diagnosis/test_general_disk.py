@@ -56,3 +56,15 @@ def test_tensorflow_queues_closing_after_it_do_not_hide_it():
            b'  File "train.py", line 127, in main\n'
            b"    train.do_training(hypes)\n")
     assert diagnose_bytes(log, None).category is Category.DISK_FULL
+
+
+def test_other_spellings_of_enospc_and_edquot():
+    """HDF5's 'errno = 28, error message = ...' (H5FDsec2.c), sqlite's SQLITE_FULL text, Rust's
+    'os error 122', the EDQUOT name."""
+    for exc in (b"OSError: Can't write data (file write failed: time = Mon, fd = 3, errno = 28, error message = 'x')\n",
+                b"sqlite3.OperationalError: database or disk is full\n",
+                (b"safetensors_rust.SafetensorError: Error while serializing: IoError(Os { code: 122, kind: Other,"
+                b" message: \"os error 122\" })\n"),
+                b"OSError: EDQUOT while writing /scratch/ckpt/model.bin\n"):
+        d = diagnose_bytes(TB + exc, None)
+        assert d.category is Category.DISK_FULL, (exc, d.summary)

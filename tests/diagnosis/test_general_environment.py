@@ -63,3 +63,19 @@ def test_a_urllib3_read_timeout_wrapped_at_its_equals_sign():
     log = (b"error   requests.exceptions.ReadTimeout: (ReadTimeoutError(\"HTTPSConnectionPool(host='cdn-lfs-us-1.hugging"
            b"face.co', port=443): Read timed out. (read timeout\n=10)\"), '(Request ID: 96de49cd)')\n")
     assert diagnose_bytes(log, None).category is Category.ENVIRONMENT
+
+
+def test_connection_failures_in_urllib3_http_client_aiohttp_and_ssl_words():
+    """urllib3's ProtocolError('Connection broken: ...'), requests' ChunkedEncodingError, http.client's
+    RemoteDisconnected('Remote end closed connection without response'), aiohttp's ClientConnectorError
+    ('Cannot connect to host ...') / ServerDisconnectedError, ssl's CERTIFICATE_VERIFY_FAILED."""
+    for exc in ((b"requests.exceptions.ChunkedEncodingError: ('Connection broken: IncompleteRead(0 bytes read)',"
+                b" IncompleteRead(0 bytes read))\n"),
+                b"http.client.RemoteDisconnected: Remote end closed connection without response\n",
+                (b"aiohttp.client_exceptions.ClientConnectorError: Cannot connect to host huggingface.co:443 ssl:default"
+                b" [Connect call failed ('1.2.3.4', 443)]\n"),
+                b"aiohttp.client_exceptions.ServerDisconnectedError: Server disconnected\n",
+                (b"ssl.SSLCertVerificationError: [SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get"
+                b" local issuer certificate (_ssl.c:1007)\n")):
+        d = diagnose_bytes(_tb(exc), None)
+        assert d.category is Category.ENVIRONMENT, (exc, d.summary)

@@ -272,7 +272,12 @@ _RULE_TRIGGERS = (
     "page fault", "PAGE_FAULT", "job_timedout", "GPU reset", "GPU fault detected", "AER:",  # kernel lines (kernel.py)
     "server socket", "resolve host", "ReadTimeout", "ConnectTimeout", "Read timed out",
     "getaddrinfo failed", "specific connection error", "connect timeout=",
-    ".tempstate", "write error: wrote",  # families/disk.py
+    ".tempstate", "write error: wrote", "EDQUOT", "os error 122", "errno = 28", "disk is full",  # families/disk.py
+    "ChunkedEncoding", "Connection broken", "RemoteDisconnected", "Remote end closed", "ClientConnectorError",
+    "Cannot connect to host", "ServerDisconnected", "ClientPayloadError", "CERTIFICATE_VERIFY_FAILED",
+    "ILLEGAL_ADDRESS", "LAUNCH_FAILED", "ECC_UNCORRECTABLE", "ECCUncorrectable", "NVLink error", "NVLINK_UNCORRECTABLE",
+    "MISALIGNED_ADDRESS", "ILLEGAL_INSTRUCTION", "HARDWARE_STACK_ERROR", "INVALID_PC", "hardware stack error",
+    "invalid program counter",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 

@@ -20,6 +20,11 @@ _ENV_RE = re.compile(
     r"|check your connection|Please check your connection|Internet connection|SSLError|ProxyError"
     r"|\bReadTimeout\b|\bConnectTimeout\b|Read timed out|ConnectionRefusedError|urlopen error"
     r"|429 Client Error|Could not resolve host"
+    # a connection dropped mid-response (urllib3's ProtocolError, requests, http.client), aiohttp's own
+    # classes, a TLS chain that does not verify
+    r"|ChunkedEncodingError|Connection broken: |RemoteDisconnected|Remote end closed connection without response"
+    r"|ClientConnectorError|Cannot connect to host|ServerDisconnectedError|ClientPayloadError"
+    r"|CERTIFICATE_VERIFY_FAILED"
 )
 # urllib3/requests' own account of a request that never got an answer (huggingface_hub logs it as a
 # warning, "'(MaxRetryError(...))' thrown while requesting HEAD ..."): the network failed, said
