@@ -79,3 +79,23 @@ def test_connection_failures_in_urllib3_http_client_aiohttp_and_ssl_words():
                 b" local issuer certificate (_ssl.c:1007)\n")):
         d = diagnose_bytes(_tb(exc), None)
         assert d.category is Category.ENVIRONMENT, (exc, d.summary)
+
+
+def test_a_bare_timeout_raised_inside_the_http_stack_is_environment():
+    """CPython's socket raises TimeoutError('timed out') (socket.timeout before 3.10) from a connect that
+    urllib3's util/connection.py create_connection makes; the first of the chain (bench r6
+    environment_llamafactory_save_checkpoint_hub_timeout, hiyouga/LLaMA-Factory)."""
+    for exc in (b"TimeoutError: timed out\n", b"socket.timeout: timed out\n"):
+        log = (b"Traceback (most recent call last):\n"
+               b'  File "/env/lib/python3.10/site-packages/urllib3/util/connection.py", line 73, in create_connection\n'
+               b"    sock.connect(sa)\n" + exc)
+        d = diagnose_bytes(log, None)
+        assert d.category is Category.ENVIRONMENT, (exc, d.summary)
+
+
+def test_a_timeout_raised_in_the_program_is_not():
+    log = (b"Traceback (most recent call last):\n"
+           b'  File "/work/train.py", line 73, in wait_for_batch\n'
+           b"    raise TimeoutError('timed out')\n"
+           b"TimeoutError: timed out\n")
+    assert diagnose_bytes(log, None).category is not Category.ENVIRONMENT

@@ -271,7 +271,7 @@ _RULE_TRIGGERS = (
     "Max retries exceeded", "Failed to establish a new connection",  # families/environment.py
     "page fault", "PAGE_FAULT", "job_timedout", "GPU reset", "GPU fault detected", "AER:",  # kernel lines (kernel.py)
     "server socket", "resolve host", "ReadTimeout", "ConnectTimeout", "Read timed out",
-    "getaddrinfo failed", "specific connection error", "connect timeout=",
+    "getaddrinfo failed", "specific connection error", "connect timeout=", "socket.timeout", "gaierror", "herror:",
     ".tempstate", "write error: wrote", "EDQUOT", "os error 122", "errno = 28", "disk is full",  # families/disk.py
     "ChunkedEncoding", "Connection broken", "RemoteDisconnected", "Remote end closed", "ClientConnectorError",
     "Cannot connect to host", "ServerDisconnected", "ClientPayloadError", "CERTIFICATE_VERIFY_FAILED",

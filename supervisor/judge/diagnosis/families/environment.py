@@ -7,6 +7,21 @@ import re
 from supervisor.core.models import Category
 from supervisor.judge.diagnosis.hits import HINT, ROOT, Hit, Segment
 
+# A bare timeout or dropped connection raised inside the HTTP stack (CPython's socket/ssl/http.client,
+# urllib3, requests, aiohttp, httpx): a connect or read that got no answer. The scanner asks this of a
+# generic exception's last frame (the same exception raised by the program itself is not one).
+_NET_EXC = frozenset({"TimeoutError", "timeout", "ConnectionAbortedError", "BrokenPipeError"})
+_NET_FRAME_RE = re.compile(
+    r"(?:^|/)(?:urllib3|requests|aiohttp|httpx|httpcore)/|(?:^|/)(?:socket|ssl)\.py$|(?:^|/)http/client\.py$"
+)
+
+
+def network_frame(exc: str | None, last_frame_path: str) -> Hit | None:
+    """An environment hit for a generic timeout whose last frame is the HTTP stack's own, else None."""
+    if exc is None or exc.rsplit(".", 1)[-1] not in _NET_EXC or not _NET_FRAME_RE.search(last_frame_path):
+        return None
+    return Hit("environment", Category.ENVIRONMENT, ROOT, "network", exc=exc)
+
 # --- environment (transient: the network, the hub, DNS) -------------------
 _ENV_RE = re.compile(
     r"Temporary failure in name resolution|NameResolutionError|Failed to resolve|Name or service not known"
