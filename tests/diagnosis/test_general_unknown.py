@@ -40,3 +40,31 @@ def test_a_signal_with_no_error_in_the_log_is_unknown(sig, name, sub):
 def test_a_segfault_the_log_reports_stays_a_crash():
     assert diagnose_bytes(b"step 1\nSegmentation fault (core dumped)\n", ExitRecord(returncode=139)).category \
         is Category.CRASH_OTHER
+
+
+# fudan-generative-vision/hallo2#56 shape (bench r7 unknown_hallo2_*): the launcher's line is the log's last error
+ELASTIC = (
+    b"[2024-11-26 02:04:28,495] torch.distributed.elastic.multiprocessing.api: [WARNING] Sending process 750664"
+    b" closing signal SIGTERM\n"
+    b"[2024-11-26 02:04:31,514] torch.distributed.elastic.multiprocessing.api: [ERROR] failed (exitcode: -11)"
+    b" local_rank: 1 (pid: 750662) of binary: /env/bin/python\n"
+    b"Traceback (most recent call last):\n"
+    b'  File "/env/bin/torchrun", line 8, in <module>\n'
+    b"    sys.exit(main())\n"
+    b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+)
+
+
+def test_a_pasted_launcher_report_alone_is_unknown():
+    for exit in (None, ExitRecord(returncode=1)):
+        d = diagnose_bytes(ELASTIC + SUMMARY % (11, 11, b"SIGSEGV"), exit)
+        assert d.category is Category.UNKNOWN, d.summary
+        assert d.subkind == "segfault"
+
+
+def test_the_childs_own_error_still_decides():
+    child = (b"[rank1]: Traceback (most recent call last):\n[rank1]:   File \"train.py\", line 3, in <module>\n"
+             b"[rank1]: ValueError: bad shape\n")
+    assert diagnose_bytes(child + ELASTIC, None).category is Category.CRASH_OTHER
+    assert diagnose_bytes(b"Fatal Python error: Segmentation fault\n" + ELASTIC, None).category \
+        is Category.CRASH_OTHER

@@ -258,7 +258,7 @@ def _root_of(f: Finding) -> Root:
 
 def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
     """The verdict with its fingerprint; a host OOM also says the job's memory limit and peak seen."""
-    d = _with_memory(_conclude(state, exit, host), host)
+    d = relay.unexplained(_with_memory(_conclude(state, exit, host), host), state.findings)
     if state.internal_errors:
         d = dataclasses.replace(d, numbers={**d.numbers, "scanner_errors": state.internal_errors},
                                 summary=f"{d.summary} ({state.internal_errors} log line(s) could not be read.)")
@@ -475,7 +475,6 @@ def _unexplained_kill(c: _Case) -> Diagnosis | None:
 
 _BY_SIGNAL = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", "SIGTERM": "sigterm",
               "SIGINT": "interrupted"}
-_UNEXPLAINED_CRASH = ("SIGSEGV", "SIGABRT", "SIGBUS")
 
 
 # Retried kinds read from text alone: training that advanced after the line shows it was survived
@@ -488,10 +487,7 @@ def _signal_or_hint(c: _Case) -> Diagnosis | None:
     hint = _pick_hint([f for f in c.active if f.structural or f.category not in _SURVIVABLE_TEXT
                        or f.line_no >= after])
     if c.signal in _BY_SIGNAL and (hint is None or hint.tier not in (ROOT, COMM)):
-        # how it ended, not why: a crash signal only a launcher relays is unknown (the policy: alike)
-        relayed = relay.only_relayed(f.text for f in c.active)
-        cat = Category.UNKNOWN if c.signal in _UNEXPLAINED_CRASH and relayed else Category.CRASH_OTHER
-        return plain(cat, _BY_SIGNAL[c.signal],
+        return plain(Category.CRASH_OTHER, _BY_SIGNAL[c.signal],
                      f"Ended by {c.signal} with no recognised error in the log.", c.state, tail_evidence(c.state))
     return _hint_diagnosis(hint, c.state) if hint is not None else None
 
