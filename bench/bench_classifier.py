@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         print_side_by_side(parts)
     for name in wanted:
         print(f"\n=== {PART_NAMES[name]}")
-        print_result(parts[name], verbose=args.verbose, repos=True)
+        # A held-out miss is named only when asked (-v): a rule writer reading this output must not
+        # learn which held-out excerpts to open. Its counts and confusion matrix are always shown.
+        print_result(parts[name], verbose=args.verbose, repos=True, names=args.verbose or name != "heldout")
     print_unreadable(unreadable)
     return 0
 
@@ -201,7 +203,7 @@ def print_side_by_side(parts: dict[str, dict[str, Any]]) -> None:
     print(f"gap             : {dev['accuracy'] - held['accuracy']:+.3f} (development minus held-out; target <= 0.03)")
 
 
-def print_result(result: dict[str, Any], *, verbose: bool, repos: bool = False) -> None:
+def print_result(result: dict[str, Any], *, verbose: bool, repos: bool = False, names: bool = True) -> None:
     per = result["per_category"]
     print("per category    : label            right/total  accuracy")
     for k, v in per.items():
@@ -229,7 +231,9 @@ def print_result(result: dict[str, Any], *, verbose: bool, repos: bool = False) 
         if k in confusion:
             print(f"{k:<16}" + " ".join(f"{confusion[k].get(c) or '.':>8}" for c in cols))
     misses = result["misses"]
-    if misses:
+    if misses and not names:
+        print(f"misses ({len(misses)}): not named for the held-out part (-v names them)")
+    elif misses:
         print(f"misses ({len(misses)}):")
         for m in misses:
             print(f"  {m['case']}: {m['label']} -> {m['verdict']}" + (f"\n      {m['summary'][:300]}" if verbose else ""))

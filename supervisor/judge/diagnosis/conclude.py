@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, teardown
 from supervisor.judge.diagnosis.candidates import likely_categories
-from supervisor.judge.diagnosis.families import hang
+from supervisor.judge.diagnosis.families import hang, relay
 from supervisor.judge.diagnosis.families.crash import _SIGKILL_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.hits import COMM, CRASH, HINT, MARKER, ROOT, Hit
@@ -259,8 +259,8 @@ def _root_of(f: Finding) -> Root:
 
 def conclude(state: ScanState, exit: ExitRecord | None, host: HostEvidence | None) -> Diagnosis:
     """The verdict with its fingerprint; a host OOM also says the job's memory limit and peak seen."""
-    d = _with_memory(_conclude(state, exit, host), host)
-    if d.category is Category.UNKNOWN and d.subkind == "no_evidence":  # nothing certain: where to look
+    d = relay.unexplained(_with_memory(_conclude(state, exit, host), host), state.findings)
+    if d.category is Category.UNKNOWN and d.subkind in relay.UNEXPLAINED:  # nothing certain: where to look
         d = dataclasses.replace(d, candidates=likely_categories(state))
     if state.internal_errors:
         d = dataclasses.replace(d, numbers={**d.numbers, "scanner_errors": state.internal_errors},

@@ -87,7 +87,8 @@ def device_faults(lines: tuple[str, ...] | list[str]) -> list[KernelFault]:
 # device-fault report. The same words anywhere else in a line (a program's message, a quote) are text.
 _KERNEL_LEAD = (
     r"^(?:\[\s*\d+\.\d+\]\s*|\[\w{3} \w{3}\s+\d+ [\d:]{8} \d{4}\]\s*)?"
-    r"(?:(?:\w{3}\s+\d+ [\d:]{8}|\d{4}-\d\d-\d\dT\S+) \S+ kernel:\s*(?:\[\s*\d+\.\d+\]\s*)?)?"
+    # the journal's `-o cat`/`-k` forms may leave `kernel:` with no time or host before it
+    r"(?:(?:(?:\w{3}\s+\d+ [\d:]{8}|\d{4}-\d\d-\d\dT\S+) \S+ )?kernel:\s*(?:\[\s*\d+\.\d+\]\s*)?)?"
 )
 _PCI = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.\d"
 _LOG_FAULT_RE = re.compile(

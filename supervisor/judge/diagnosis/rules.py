@@ -71,7 +71,9 @@ _EXC_RE = re.compile(
     # ("pydantic.error_wrappers  File ..." / ".ValidationError: 3 validation errors for ...")
     r"^\.?(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
     # any CamelCase class with a module path: triton.runtime.errors.OutOfResources
-    r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*)"
+    r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*"
+    # the stdlib's lowercase socket errors (socket.gaierror: a failed name lookup)
+    r"|socket\.(?:gaierror|herror|timeout))"
     # Ray re-raises a task's exception as RayTaskError(<the task's class>)
     r"(?:\((?P<inner>[A-Za-z_]\w*)\))?(?::\s?(?P<msg>.*))?$"
 )
@@ -269,6 +271,13 @@ _RULE_TRIGGERS = (
     "Max retries exceeded", "Failed to establish a new connection",  # families/environment.py
     "page fault", "PAGE_FAULT", "job_timedout", "GPU reset", "GPU fault detected", "AER:",  # kernel lines (kernel.py)
     "server socket", "resolve host", "ReadTimeout", "ConnectTimeout", "Read timed out",
+    "getaddrinfo failed", "specific connection error", "connect timeout=", "socket.timeout", "gaierror", "herror:",
+    ".tempstate", "write error: wrote", "EDQUOT", "os error 122", "errno = 28", "disk is full",  # families/disk.py
+    "ChunkedEncoding", "Connection broken", "RemoteDisconnected", "Remote end closed", "ClientConnectorError",
+    "Cannot connect to host", "ServerDisconnected", "ClientPayloadError", "CERTIFICATE_VERIFY_FAILED",
+    "ILLEGAL_ADDRESS", "LAUNCH_FAILED", "ECC_UNCORRECTABLE", "ECCUncorrectable", "NVLink error", "NVLINK_UNCORRECTABLE",
+    "MISALIGNED_ADDRESS", "ILLEGAL_INSTRUCTION", "HARDWARE_STACK_ERROR", "INVALID_PC", "hardware stack error",
+    "invalid program counter",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 

@@ -26,6 +26,7 @@ from collections import deque
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, rules, scan_rich
 from supervisor.judge.diagnosis.conclude import conclude
+from supervisor.judge.diagnosis.families.environment import network_frame
 from supervisor.judge.diagnosis.families.gpu_memory import _PINNED_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.prefixes import PrefixModel
@@ -519,6 +520,8 @@ class LogScanner(StreamReading, ProgressReading):
             if hit.rule == "python_exception" and structural and _CONFIG_FRAME_RE.search(frames[-1][1]):
                 # Raised while the arguments were parsed or validated (LLaMA-Factory's parser, HfArgumentParser).
                 hit = Hit("invalid_arguments", Category.CONFIG_ERROR, rules.ROOT, "invalid_arguments", exc=hit.exc)
+            elif hit.rule == "python_exception" and structural:
+                hit = network_frame(hit.exc, frames[-1][1]) or hit
             if "deepspeed/runtime/zero" in paths or "deepspeed/runtime/swap_tensor" in paths:
                 if "partition_parameters" in paths or "all_gather" in funcs or "fetch_sub_module" in funcs:
                     notes.append("inside DeepSpeed ZeRO-3 parameter gather")

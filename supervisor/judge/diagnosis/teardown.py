@@ -29,6 +29,7 @@ _NOISE_RE = re.compile(
       | (?:Aborted|Segmentation\ fault|Bus\ error|Floating\ point\ exception)(?:\ \(core\ dumped\))?$
       | Fatal\ Python\ error: | (?:Current\ )?[Tt]hread\ 0x[0-9a-f]+ | Extension\ modules:
       | Exception\ ignored\ in
+      | stack\ traceback:$ | \[C\]:\ (?:in|at)\  | \S+\.lua:\d+:\ in\ (?:function|main\ chunk)\b  # Lua's traceback
       | CUDA\ kernel\ errors\ might\ be | HIP\ kernel\ errors\ might\ be | For\ debugging\ consider\ passing
       | Compile\ with\ `TORCH_USE_\w+_DSA`
       # launchers: torchrun / torchelastic summary, DeepSpeed, accelerate, mpirun, srun
@@ -44,6 +45,7 @@ _NOISE_RE = re.compile(
       | Error\ executing\ job\ with\ overrides | Set\ the\ environment\ variable\ HYDRA_FULL_ERROR
       | full_key:\ | object_type=                                  # omegaconf's detail under its error
       | Caused\ by\ op\ '[^']*',\ defined\ at: | \[\[\{*node\               # TensorFlow's op location
+      | .*Skipping\ cancelled\ (?:en|de)queue\ attempt                 # TF's input queues closing at shutdown
       | \(?[\w.-]*\)?\s*[\w.-]+@[\w.-]+[:\s].*[$#%]\s | [$#%>]\s*$ | ```
     )""",
     re.VERBOSE,

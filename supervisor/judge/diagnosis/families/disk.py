@@ -9,12 +9,19 @@ from supervisor.judge.diagnosis.hits import ROOT, Hit, Segment
 
 # --- disk -----------------------------------------------------------------
 _DISK_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("no_space", re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|os error 28|StorageFull")),
-    ("quota", re.compile(r"Disk quota exceeded|\[Errno 122\]")),
+    ("no_space", re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|os error 28|StorageFull"
+                            # TF maps ENOSPC/EDQUOT on a write to RESOURCE_EXHAUSTED (platform/errors.cc
+                            # IOError); its saver writes a bundle to a `<prefix>.tempstate<N>` file
+                            r"|(?:ResourceExhausted\w*|Resource exhausted): \S*\.tempstate\d+"
+                            # HDF5's H5FD sec2 driver ('errno = 28, error message = ...'), SQLite's SQLITE_FULL
+                            r"|\berrno = 28\b|database or disk is full")),
+    ("quota", re.compile(r"Disk quota exceeded|\[Errno 122\]|\bEDQUOT\b|os error 122")),
     (
         "checkpoint_write_failed",
         re.compile(r"PytorchStreamWriter failed writing file|unexpected pos \d+ vs \d+|file write failed"
-                   r"|write\(\): fd \d+ failed with"),
+                   r"|write\(\): fd \d+ failed with"
+                   # Lua torch's THDiskFile.c: a short fwrite
+                   r"|write error: wrote \d+ blocks instead of \d+"),
     ),
 )
 

@@ -1,0 +1,70 @@
+"""A signal with nothing in the log to say why (issue 29, generalising): torchrun's summary with
+`error_file: <N/A>` and `traceback : Signal 11 (SIGSEGV) received by PID N` is how the launcher passed the
+death on, not a cause. The verdict is unknown (the signal kept as its subkind), not a guessed crash;
+the policy treats the two alike (decide.TRANSIENT, the same-twice stop). Text from bench r7
+unknown_megatron_elastic_exitcode_minus11_sigsegv (NVIDIA/Megatron-LM#1880)."""
+
+import pytest
+
+from supervisor.core.models import Category, ExitRecord
+from supervisor.judge.diagnosis import diagnose_bytes
+
+SUMMARY = (
+    b"======================================================\n"
+    b"pretrain_gpt.py FAILED\n"
+    b"------------------------------------------------------\n"
+    b"Failures:\n"
+    b"  <NO_OTHER_FAILURES>\n"
+    b"------------------------------------------------------\n"
+    b"Root Cause (first observed failure):\n"
+    b"[0]:\n"
+    b"  time      : 2025-06-01_10:00:00\n"
+    b"  host      : node1\n"
+    b"  rank      : 0 (local_rank: 0)\n"
+    b"  exitcode  : -%d (pid: 6421)\n"
+    b"  error_file: <N/A>\n"
+    b"  traceback : Signal %d (%s) received by PID 6421\n"
+    b"======================================================\n"
+)
+
+
+@pytest.mark.parametrize(("sig", "name", "sub"), [(11, b"SIGSEGV", "segfault"), (6, b"SIGABRT", "abort")])
+def test_a_signal_with_no_error_in_the_log_is_unknown(sig, name, sub):
+    d = diagnose_bytes(SUMMARY % (sig, sig, name), ExitRecord(returncode=-sig))
+    assert d.category is Category.UNKNOWN, d.summary
+    assert d.subkind == sub
+    d = diagnose_bytes(b"step 10 loss 1.2\n", ExitRecord(returncode=-sig))
+    assert d.category is Category.UNKNOWN, d.summary
+
+
+def test_a_segfault_the_log_reports_stays_a_crash():
+    assert diagnose_bytes(b"step 1\nSegmentation fault (core dumped)\n", ExitRecord(returncode=139)).category \
+        is Category.CRASH_OTHER
+
+
+# fudan-generative-vision/hallo2#56 shape (bench r7 unknown_hallo2_*): the launcher's line is the log's last error
+ELASTIC = (
+    b"[2024-11-26 02:04:28,495] torch.distributed.elastic.multiprocessing.api: [WARNING] Sending process 750664"
+    b" closing signal SIGTERM\n"
+    b"[2024-11-26 02:04:31,514] torch.distributed.elastic.multiprocessing.api: [ERROR] failed (exitcode: -11)"
+    b" local_rank: 1 (pid: 750662) of binary: /env/bin/python\n"
+    b"Traceback (most recent call last):\n"
+    b'  File "/env/bin/torchrun", line 8, in <module>\n'
+    b"    sys.exit(main())\n"
+    b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+)
+
+
+def test_a_pasted_launcher_report_alone_is_unknown():
+    for exit in (None, ExitRecord(returncode=1)):
+        d = diagnose_bytes(ELASTIC + SUMMARY % (11, 11, b"SIGSEGV"), exit)
+        assert d.category is Category.UNKNOWN, d.summary
+        assert d.subkind == "segfault"
+
+
+def test_the_childs_own_error_still_decides():
+    child = (b"[rank1]: Traceback (most recent call last):\n[rank1]:   File \"train.py\", line 3, in <module>\n"
+             b"[rank1]: ValueError: bad shape\n")
+    assert diagnose_bytes(child + ELASTIC, None).category is Category.CRASH_OTHER
+    assert diagnose_bytes(b"Fatal Python error: Segmentation fault\n" + ELASTIC, None).category \
+        is Category.CRASH_OTHER
