@@ -260,6 +260,8 @@ _RULE_TRIGGERS = (
     "check your connection", "Internet connection", "SSLError", "ProxyError",
     # config checks said outside an exception line (families/config.py)
     "size mismatch for", "Please verify arguments", "is not in struct", "Could not override", "only the following",
+    ": error: ", "call to target", "locating target", "Missing mandatory value", "model is torch.Size",
+    "TypeError(",
     # numeric blow-ups in other frameworks' words (families/numeric.py)
     "oss is nan", "oss is NaN", "oss is inf", "Invalid loss", "Tensor had", "found NaN",
     "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)

@@ -26,6 +26,7 @@ from collections import deque
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, rules, scan_rich
 from supervisor.judge.diagnosis.conclude import conclude
+from supervisor.judge.diagnosis.families import checks
 from supervisor.judge.diagnosis.families.gpu_memory import _PINNED_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.prefixes import PrefixModel
@@ -516,7 +517,8 @@ class LogScanner(StreamReading, ProgressReading):
             funcs = " ".join(f for f, _ in frames)
             if hit.rule == "driver_oom" and _PINNED_RE.search(funcs + " " + paths):
                 hit = Hit("pinned_host_oom", Category.HOST_OOM, hit.tier, "pinned", fatal=True, vendor="cpu", exc=hit.exc)
-            if hit.rule == "python_exception" and structural and _CONFIG_FRAME_RE.search(frames[-1][1]):
+            if hit.rule == "python_exception" and structural and (
+                    _CONFIG_FRAME_RE.search(frames[-1][1]) or checks.raised_at_config_frame(hit.exc, *frames[-1])):
                 # Raised while the arguments were parsed or validated (LLaMA-Factory's parser, HfArgumentParser).
                 hit = Hit("invalid_arguments", Category.CONFIG_ERROR, rules.ROOT, "invalid_arguments", exc=hit.exc)
             if "deepspeed/runtime/zero" in paths or "deepspeed/runtime/swap_tensor" in paths:

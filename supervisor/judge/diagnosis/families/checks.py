@@ -1,0 +1,74 @@
+"""How a library's check of its configuration reads, whatever the library: the grammar of the message
+and where it was raised. Written from the libraries' own raise statements (transformers'
+training_args.py and configuration_utils.py, accelerate's utils/dataclasses.py, PEFT's
+tuners/*/config.py, TRL's trainer/*_config.py, DeepSpeed's runtime/config.py, Megatron's arguments.py,
+Lightning's connectors, datasets' arrow_dataset.py, LLaMA-Factory's hparams/parser.py), not from logs.
+
+A check names what it checked (a `key`, a --flag, a snake_case option, the word argument/option/...)
+and says what it requires of it (must be, is not supported, cannot be used with, only ... supported,
+mutually exclusive, invalid choice). A bug's message names tensors, shapes and Python's own
+operations instead (`Expected input batch_size (32) to match`, `too many values to unpack`);
+those are kept out explicitly. Only ValueError/AssertionError/NotImplementedError carry the
+grammar: a RuntimeError's "must"/"expected" is torch checking a program's arithmetic.
+"""
+
+from __future__ import annotations
+
+import re
+
+GRAMMAR_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError"})
+
+# What was checked: a backticked or quoted name, a --flag, a snake_case option, or the words for one.
+_KEY = (r"(?:`[^`\s]{2,80}`|--?[A-Za-z][\w.-]+|'[A-Za-z_][\w.-]*'|\"[A-Za-z_][\w.-]*\"|\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b"
+        r"|\b(?:argument|arguments|option|options|parameter|config(?:uration)?|setting|flag|mode|strategy|backend"
+        r"|precision|dtype|fp16|bf16|fp8|scheduler|optimizer|template|dataset|split|column|model_type)\b)")
+# What the check requires of it.
+_REQUIRE = (r"(?:\b(?:must|should|has to|have to|needs? to)(?: not)? (?:be|have|match|equal|contain|use|set|specify|provide"
+            r"|pass|either|only|all|both|a|an)\b|\bcannot be (?:used|combined|set|specified|enabled)\b"
+            r"|\bcan(?:'t| not|not) (?:be used|use|both)\b|\bis not (?:supported|allowed|compatible|available|valid)\b"
+            r"|\bare not (?:supported|allowed|compatible)\b|\bnot supported (?:for|with|when|by|in|yet)\b"
+            r"|\b(?:is|are) only (?:supported|available|compatible|implemented|valid)\b|\bonly supports?\b"
+            r"|\b(?:is|are) (?:incompatible|mutually exclusive|required (?:when|for|if|with))\b|\bmutually exclusive\b"
+            r"|\binvalid (?:choice|value)\b|\bis invalid\b|\bis not a valid\b|\b(?:expected one of|choose from)\b"
+            r"|\bnot (?:found )?in the (?:dataset|config|registry|vocab)|\bout of range\b|\bdivisible by\b)")
+# The forms with no key to name: an unknown/unsupported/invalid NAME of a kind of setting.
+_KIND_RE = re.compile(r"\b(?:[Uu]nknown|[Uu]nsupported|[Ii]nvalid|[Uu]nrecognized) (?:\w+ ){0,2}?"
+                      r"(?:type|mode|value|option|argument|strategy|backend|scheduler|optimizer|model[_ ]type"
+                      r"|precision|dtype|config(?:uration)?|choice|architecture|activation|loss(?:_type)?|template"
+                      r"|task|pooling|method|policy)s?\b(?!\s+code)")
+_GRAMMAR_RE = re.compile(rf"{_KEY}.{{0,120}}?{_REQUIRE}|{_REQUIRE}.{{0,60}}?{_KEY}")
+# A program's arithmetic, Python's own operations, torch's view of tensors: a bug, whatever else it says.
+_BUG_RE = re.compile(r"values to unpack|torch\.Size|\b[Tt]ensors?\b|\bshapes?\b|\bdimension|\bdims?\b|batch_size \(\d+\) to match"
+                     r"|invalid literal for|format code|could not convert|\bindex\b|out of bounds|\bNone\b.{0,20}"
+                     r"(?:has no|is not)|\bcallable\b|\biterable\b|\bsubscriptable\b")
+
+
+def says_config_check(msg: str) -> bool:
+    """Whether an exception's message reads as a check of the configuration (not of a program's data)."""
+    msg = msg[:600]
+    if _BUG_RE.search(msg):
+        return False
+    return bool(_KIND_RE.search(msg) or _GRAMMAR_RE.search(msg))
+
+
+# Where configurations are checked: the frameworks' argument parsers and config modules, any module
+# named for its config or arguments, and the functions that validate them.
+_CONFIG_PATH_RE = re.compile(
+    r"(?:^|[/\\])(?:\w+_)?(?:config|configs|configuration(?:_\w+)?|cfg|hparams|arguments|args|arg_parser|argparse"
+    r"|argparser|options|opts|settings|hyperparams)\.py$|[/\\](?:hparams|configs?|omegaconf|hydra|pydantic)[/\\]"
+    r"|mmengine[/\\]config[/\\]|mmcv[/\\]utils[/\\]config\.py|[/\\]utils[/\\]dataclasses\.py$")
+_CONFIG_FUNC_RE = re.compile(r"^(?:__post_init__|_?validate\w*|_?check_\w*(?:args|arguments|config|params|options)\w*"
+                             r"|_?verify_\w*|sanity_check\w*|_?parse_\w*args\w*|_?get_\w*args|_?setup_\w*config\w*)$")
+# A class raised at such a frame that is a check, not a bug (a TypeError/AttributeError/ImportError is a moved API).
+# A KeyError there is a lookup of a name the installed release lacks (configuration_auto's model types).
+FRAME_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "Exception"})
+# transformers' Auto classes: a model type the installed release does not know is a version mismatch.
+_AUTO_RE = re.compile(r"[/\\]auto[/\\]\w+\.py$")
+
+
+def raised_at_config_frame(exc: str | None, func: str, path: str) -> bool:
+    """Whether an exception of class `exc`, raised in `func` of `path` (the traceback's last frame),
+    is a configuration check by where it was raised."""
+    if exc is None or exc.rsplit(".", 1)[-1] not in FRAME_CARRIERS:
+        return False
+    return not _AUTO_RE.search(path) and bool(_CONFIG_PATH_RE.search(path) or _CONFIG_FUNC_RE.match(func))
