@@ -264,6 +264,9 @@ _RULE_TRIGGERS = (
     "TypeError(",
     # numeric blow-ups in other frameworks' words (families/numeric.py)
     "oss is nan", "oss is NaN", "oss is inf", "Invalid loss", "Tensor had", "found NaN",
+    "found Inf", "found nan", "found inf", "loss scale reached", "cannot be clipped", "probability tensor",
+    "found invalid values", "is not finite", "NaN loss", "nan loss", "Inf loss", "inf loss", "non-finite",
+    "oss was", "oss has become", "oss went", "oss turned", "gradients detected", "gradient detected",
     "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
     # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",

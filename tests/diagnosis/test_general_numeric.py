@@ -1,0 +1,86 @@
+"""Numeric failures read from how the libraries report a non-finite run and stop (issue 29), not from
+corpus wording. Messages are copied from the libraries' own raise/print statements (file per case).
+A bug that merely mentions a number (a shape, an index) stays a crash."""
+
+import pytest
+
+from supervisor.core.models import Category
+from supervisor.judge.diagnosis import diagnose_bytes
+
+
+def _tb(path: str, func: str, exc_line: str) -> bytes:
+    return (f'Traceback (most recent call last):\n  File "/home/u/train.py", line 3, in <module>\n    main()\n'
+            f'  File "{path}", line 40, in {func}\n    raise X\n{exc_line}\n').encode()
+
+
+NUMERIC_CASES = {
+    # fairseq/optim/dynamic_loss_scaler.py check_overflow
+    "fairseq_min_scale": _tb(
+        "/x/fairseq/optim/dynamic_loss_scaler.py", "check_overflow",
+        "FloatingPointError: Minimum loss scale reached (0.0001). Your loss is probably exploding. Try lowering the "
+        "learning rate, using gradient clipping or increasing the batch size."),
+    # numpy with np.seterr(all="raise"): the class alone says the arithmetic left the finite numbers
+    "numpy_seterr": _tb("/home/u/model.py", "forward", "FloatingPointError: overflow encountered in exp"),
+    # detectron2/engine/train_loop.py _write_metrics
+    "detectron2": _tb("/x/detectron2/engine/train_loop.py", "_write_metrics",
+                      "FloatingPointError: Loss became infinite or NaN at iteration=1234!"),
+    # torch/distributions/distribution.py: a parameter computed from NaN weights
+    "distribution_constraint": _tb(
+        "/x/torch/distributions/distribution.py", "__init__",
+        "ValueError: Expected parameter loc (Tensor of shape (64, 2)) of distribution Normal(loc: torch.Size([64, 2]),"
+        " scale: torch.Size([64, 2])) to satisfy the constraint Real(), but found invalid values:"),
+    # aten/src/ATen/native/Distributions.cpp multinomial: sampling from NaN logits
+    "multinomial": _tb("/x/transformers/generation/utils.py", "_sample",
+                       "RuntimeError: probability tensor contains either `inf`, `nan` or element < 0"),
+    # torch/nn/utils/clip_grad.py with error_if_nonfinite=True
+    "clip_grad": _tb("/x/torch/nn/utils/clip_grad.py", "clip_grad_norm_",
+                     "RuntimeError: The total norm of order 2.0 for gradients from `parameters` is non-finite, so it "
+                     "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                     "set `error_if_nonfinite=False`"),
+    # megatron/training/training.py (check_for_nan_in_loss_and_grad)
+    "megatron_forward_loss": _tb("/x/megatron/training/training.py", "train_step",
+                                 "AssertionError: Rank 3: found NaN in local forward loss calculation. Device: 3, node: n1"),
+    # tensorflow/python/training/basic_session_run_hooks.py NanTensorHook
+    "tf_nan_tensor_hook": _tb("/x/tensorflow/python/training/basic_session_run_hooks.py", "after_run",
+                              "tensorflow.python.training.basic_session_run_hooks.NanLossDuringTrainingError: "
+                              "NaN loss during training."),
+}
+MENTION_CASES = {
+    # lightning/pytorch/callbacks/early_stopping.py (check_finite=True), the run's last words
+    "lightning_early_stopping": b"Epoch 3:  40%|####      | 40/100 [00:10<00:15, loss=nan, v_num=1]\n"
+                                b"Monitored metric val_loss = nan is not finite. Previous best value was 0.412. "
+                                b"Signaling Trainer to stop.\n",
+    # a script's own stop in any of the usual words
+    "script_stop": b"step 812 | lr 3e-4\nNaN loss detected at step 813, stopping training\n",
+    "loss_was_inf": b"epoch 2 iter 40\nERROR: loss was inf at iteration 41, aborting\n",
+}
+NOT_NUMERIC = {
+    # an index error that mentions inf-like words is a bug, not a blow-up
+    "index_bug": _tb("/home/u/data.py", "__getitem__", "IndexError: index 5 is out of bounds for dimension 0 with size 5"),
+    # a ValueError about a config value with "inf" in a name
+    "info_key": _tb("/home/u/train.py", "main", "KeyError: 'info'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NUMERIC_CASES))
+def test_library_nonfinite_reports_are_numeric(name: str) -> None:
+    d = diagnose_bytes(NUMERIC_CASES[name])
+    assert d.category is Category.NUMERIC, (name, d.summary)
+    assert d.strength != "hint"
+
+
+@pytest.mark.parametrize("name", sorted(MENTION_CASES))
+def test_nonfinite_stop_said_as_the_final_line(name: str) -> None:
+    d = diagnose_bytes(MENTION_CASES[name])
+    assert d.category is Category.NUMERIC, (name, d.summary)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_NUMERIC))
+def test_bugs_mentioning_numbers_are_not_numeric(name: str) -> None:
+    d = diagnose_bytes(NOT_NUMERIC[name])
+    assert d.category is Category.CRASH_OTHER, (name, d.summary)
+
+
+def test_nan_stop_followed_by_training_is_not_the_end() -> None:
+    log = MENTION_CASES["script_stop"] + b"".join(b"{'loss': 1.%d, 'epoch': 0.%d}\n" % (i, i) for i in range(1, 6))
+    assert diagnose_bytes(log).category is not Category.NUMERIC
