@@ -163,3 +163,34 @@ BUG_CASES_2 = {
 def test_version_mismatches_stay_crashes(name: str) -> None:
     d = diagnose_bytes(BUG_CASES_2[name])
     assert d.category is Category.CRASH_OTHER, (name, d.summary)
+
+
+RUNTIME_BUGS = {
+    # torch's checks of a program's arithmetic and autograd, in a RuntimeError's words
+    "input_type": _tb([_MAIN], "RuntimeError: Input type (torch.cuda.HalfTensor) and weight type (torch.cuda.FloatTensor) "
+                      "should be the same"),
+    "scalar_type": _tb([_MAIN], "RuntimeError: expected scalar type Half but found Float"),
+    "size_of_tensor": _tb([_MAIN], "RuntimeError: The size of tensor a (4096) must match the size of tensor b (2048)"),
+    "inplace": _tb([_MAIN], "RuntimeError: one of the variables needed for gradient computation has been modified by an "
+                   "inplace operation"),
+    "cuda_error": _tb([_MAIN], "RuntimeError: CUDA error: an illegal memory access was encountered"),
+}
+RUNTIME_CHECKS = {
+    # accelerate/accelerator.py _prepare_deepspeed: a RuntimeError/ValueError naming what must be passed
+    "accelerate_prepare": _tb([_MAIN], "ValueError: When using DeepSpeed, `accelerate.prepare()` requires you to pass at "
+                              "least one of training or evaluation dataloaders"),
+    # deepspeed/runtime/zero/offload_config.py-style: what an option can only work with
+    "can_only_work": _tb([_MAIN], "AssertionError: ZeRO Offload can only work with DeepSpeed optimizers"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNTIME_BUGS))
+def test_runtime_bugs_stay_crashes(name: str) -> None:
+    d = diagnose_bytes(RUNTIME_BUGS[name])
+    assert d.category is not Category.CONFIG_ERROR, (name, d.summary)
+
+
+@pytest.mark.parametrize("name", sorted(RUNTIME_CHECKS))
+def test_checks_in_other_words(name: str) -> None:
+    d = diagnose_bytes(RUNTIME_CHECKS[name])
+    assert d.category is Category.CONFIG_ERROR, (name, d.summary)

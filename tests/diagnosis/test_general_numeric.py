@@ -84,3 +84,28 @@ def test_bugs_mentioning_numbers_are_not_numeric(name: str) -> None:
 def test_nan_stop_followed_by_training_is_not_the_end() -> None:
     log = MENTION_CASES["script_stop"] + b"".join(b"{'loss': 1.%d, 'epoch': 0.%d}\n" % (i, i) for i in range(1, 6))
     assert diagnose_bytes(log).category is not Category.NUMERIC
+
+
+def test_fairseq_loss_scale_collapse_told_by_its_overflow_notes() -> None:
+    """fairseq/trainer.py logs each overflow as 'NOTE: gradient overflow detected, ignoring gradient, setting
+    loss scale to: X'; a run of them halving the scale down to its floor, and nothing after, is a collapse."""
+    log = b"".join(b"2021-03-08 12:33:%02d | INFO | fairseq.trainer | NOTE: gradient overflow detected, ignoring "
+                   b"gradient, setting loss scale to: %s\n" % (i, v) for i, v in enumerate([b"64.0", b"32.0", b"16.0",
+                                                                                          b"8.0", b"4.0", b"2.0", b"1.0"]))
+    d = diagnose_bytes(log)
+    assert d.category is Category.NUMERIC, d.summary
+
+
+def test_loss_table_without_separator() -> None:
+    """pytorch/examples word_language_model/main.py: '| loss {:5.2f} | ppl {:8.2f}' prints 'loss   nan'."""
+    log = b"".join(b"| epoch   1 |  %d/ 2983 batches | lr 20.00 | ms/batch 11.49 | loss   nan | ppl      nan\n" % (200 * i)
+                   for i in range(1, 5))
+    d = diagnose_bytes(log)
+    assert d.category is Category.NUMERIC, d.summary
+
+
+def test_loss_table_recovered_is_not_numeric() -> None:
+    log = (b"| epoch   1 |   200/ 2983 batches | lr 20.00 | loss   nan | ppl      nan\n"
+           b"| epoch   1 |   400/ 2983 batches | lr 20.00 | loss   nan | ppl      nan\n"
+           b"| epoch   1 |   600/ 2983 batches | lr 20.00 | loss  5.21 | ppl   183.12\n")
+    assert diagnose_bytes(log).category is not Category.NUMERIC

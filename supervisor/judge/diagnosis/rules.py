@@ -48,7 +48,7 @@ _MARKER_TRIGGERS = (
     # Python path); the scanner tells "in a row" by looking for a dict between two bad ones.
     "'loss': 0.0,", "'loss': 0,", " example:", "input_ids:",
     "Loading checkpoint shards", "loading weights file", "*****", "Saving model checkpoint", "Loading model from",
-    "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW",
+    "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW", "overflow detected",
     "local_rank", "is ready now", "Deleting older checkpoint", "Gradient overflow", "Loading weights",
     "Load checkpoint", "Loading checkpoint from", "loading model tensors", "zero partition checkpoints", "zero checkpoints",
     # chained exceptions; C++ aborts; a program that says it retries after an OOM
@@ -173,7 +173,9 @@ DS_STEP_RE = re.compile(r"\bstep=(\d+), skipped=\d+")
 RETRY_BATCH_RE = re.compile(r"Currently training with a batch size of: (\d+)")
 LOSS_SCALE_RE = re.compile(r"OVERFLOW!.*?Attempted loss scale: (\d+(?:\.\d+)?)(?:, reducing to (\d+(?:\.\d+)?))?")
 # Megatron/apex-style: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 0.5"
-GRAD_OVERFLOW_RE = re.compile(r"Gradient overflow\.\s+Skipping step,.*?reducing (?:loss scale )?to (\d+(?:\.\d+)?(?:e[-+]?\d+)?)")
+# fairseq/trainer.py: "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 64.0"
+GRAD_OVERFLOW_RE = re.compile(r"(?:Gradient overflow\.\s+Skipping step,.*?reducing (?:loss scale )?to"
+                              r"|overflow detected, ignoring gradient, setting loss scale to:)\s*(\d+(?:\.\d+)?(?:e[-+]?\d+)?)")
 TORCHRUN_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
 
 

@@ -8,39 +8,51 @@ A check names what it checked (a `key`, a --flag, a snake_case option, the word 
 and says what it requires of it (must be, is not supported, cannot be used with, only ... supported,
 mutually exclusive, invalid choice). A bug's message names tensors, shapes and Python's own
 operations instead (`Expected input batch_size (32) to match`, `too many values to unpack`);
-those are kept out explicitly. Only ValueError/AssertionError/NotImplementedError carry the
-grammar: a RuntimeError's "must"/"expected" is torch checking a program's arithmetic.
+those are kept out explicitly, and so is the runtime's own vocabulary (CUDA errors, kernels, autograd),
+which a RuntimeError's "must"/"expected" usually speaks about a program's arithmetic.
 """
 
 from __future__ import annotations
 
 import re
 
-GRAMMAR_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError"})
+GRAMMAR_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "RuntimeError", "Exception"})
 
 # What was checked: a backticked or quoted name, a --flag, a snake_case option, or the words for one.
 _KEY = (r"(?:`[^`\s]{2,80}`|--?[A-Za-z][\w.-]+|'[A-Za-z_][\w.-]*'|\"[A-Za-z_][\w.-]*\"|\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b"
         r"|\b(?:argument|arguments|option|options|parameter|config(?:uration)?|setting|flag|mode|strategy|backend"
-        r"|precision|dtype|fp16|bf16|fp8|scheduler|optimizer|template|dataset|split|column|model_type)\b)")
+        r"|precision|dtype|fp16|bf16|fp8|int8|4-?bit|8-?bit|scheduler|optimizer|template|dataset|split|column|model_type"
+        r"|batch size|micro batch|learning rate|world size|(?:number|num) of \w+|sequence length|max length|stage"
+        r"|zero|offload|deepspeed|fsdp|lora|qlora|quantization|gpus?|nodes?|processes|workers|epochs?|steps?"
+        r"|target[_ ]modules?|adapter|tokenizer|checkpoint)\b)")
 # What the check requires of it.
 _REQUIRE = (r"(?:\b(?:must|should|has to|have to|needs? to)(?: not)? (?:be|have|match|equal|contain|use|set|specify|provide"
-            r"|pass|either|only|all|both|a|an)\b|\bcannot be (?:used|combined|set|specified|enabled)\b"
-            r"|\bcan(?:'t| not|not) (?:be used|use|both)\b|\bis not (?:supported|allowed|compatible|available|valid)\b"
+            r"|pass|either|only|all|both|a|an|greater|less|at)\b|\bcannot be (?:used|combined|set|specified|enabled)\b"
+            r"|\bcan(?:'t| not|not) (?:be used|use|both|specify|set|enable|train|run|load|find|mix|combine)\b"
+            r"|\bcan only (?:work|be used|be|use)\b|\bdoes(?:n't| not) support\b|\brequires? (?:you|a|an|the|at least|to)\b"
+            r"|\bis not (?:supported|allowed|compatible|available|valid|recognized)\b"
             r"|\bare not (?:supported|allowed|compatible)\b|\bnot supported (?:for|with|when|by|in|yet)\b"
             r"|\b(?:is|are) only (?:supported|available|compatible|implemented|valid)\b|\bonly supports?\b"
-            r"|\b(?:is|are) (?:incompatible|mutually exclusive|required (?:when|for|if|with))\b|\bmutually exclusive\b"
+            r"|\bonly\b.{0,60}\b(?:is|are) (?:supported|allowed|available|valid)\b"
+            r"|\b(?:is|are) (?:incompatible|mutually exclusive|required|missing)\b|\bmutually exclusive\b"
             r"|\binvalid (?:choice|value)\b|\bis invalid\b|\bis not a valid\b|\b(?:expected one of|choose from)\b"
-            r"|\bnot (?:found )?in the (?:dataset|config|registry|vocab)|\bout of range\b|\bdivisible by\b)")
+            r"|\bnot (?:found )?in the (?:dataset|config|registry|vocab)|\bout of range\b|\bdivisible by\b"
+            r"|\bdoes not (?:exist|match)\b|\bnot found\b|\bavailable (?:configs|splits|options|choices)\b"
+            r"|\bplease (?:pick|choose|select|set|specify|provide|pass|launch|use|run|add|remove|make sure|ensure)\b"
+            r"|\bexpected\b.{0,80}\b(?:but )?(?:got|received|found)\b)")
 # The forms with no key to name: an unknown/unsupported/invalid NAME of a kind of setting.
 _KIND_RE = re.compile(r"\b(?:[Uu]nknown|[Uu]nsupported|[Ii]nvalid|[Uu]nrecognized) (?:\w+ ){0,2}?"
                       r"(?:type|mode|value|option|argument|strategy|backend|scheduler|optimizer|model[_ ]type"
                       r"|precision|dtype|config(?:uration)?|choice|architecture|activation|loss(?:_type)?|template"
                       r"|task|pooling|method|policy)s?\b(?!\s+code)")
-_GRAMMAR_RE = re.compile(rf"{_KEY}.{{0,120}}?{_REQUIRE}|{_REQUIRE}.{{0,60}}?{_KEY}")
+_GRAMMAR_RE = re.compile(rf"{_KEY}.{{0,120}}?{_REQUIRE}|{_REQUIRE}.{{0,60}}?{_KEY}", re.IGNORECASE)
 # A program's arithmetic, Python's own operations, torch's view of tensors: a bug, whatever else it says.
-_BUG_RE = re.compile(r"values to unpack|torch\.Size|\b[Tt]ensors?\b|\bshapes?\b|\bdimension|\bdims?\b|batch_size \(\d+\) to match"
-                     r"|invalid literal for|format code|could not convert|\bindex\b|out of bounds|\bNone\b.{0,20}"
-                     r"(?:has no|is not)|\bcallable\b|\biterable\b|\bsubscriptable\b")
+_BUG_RE = re.compile(r"values to unpack|torch\.Size|(?<!\w)[Tt]ensors?\b|\w+Tensor\b|\bshapes?\b|\bdimension|\bdims?\b"
+                     r"|batch_size \(\d+\) to match|invalid literal for|format code|could not convert|\bindex\b"
+                     r"|out of bounds|\bNone\b.{0,20}(?:has no|is not)|\bcallable\b|\biterable\b|\bsubscriptable\b"
+                     # the runtime's own view: kernels, devices' errors, autograd (a RuntimeError's usual words)
+                     r"|CUDA error|cuDNN|cuBLAS|CUBLAS|NCCL|\bHIP\b|\bkernel\b|device-side|illegal memory|scalar type"
+                     r"|\bgrad(?:ient)?s?\b|backward|autograd|\bgraph\b|in-place|inplace|\barray\b")
 
 
 def says_config_check(msg: str) -> bool:
