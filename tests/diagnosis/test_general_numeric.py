@@ -109,3 +109,31 @@ def test_loss_table_recovered_is_not_numeric() -> None:
            b"| epoch   1 |   400/ 2983 batches | lr 20.00 | loss   nan | ppl      nan\n"
            b"| epoch   1 |   600/ 2983 batches | lr 20.00 | loss  5.21 | ppl   183.12\n")
     assert diagnose_bytes(log).category is not Category.NUMERIC
+
+
+MORE_NUMERIC = {
+    # sklearn/utils/validation.py _assert_all_finite: a metric computed over NaN outputs
+    "sklearn_metric": _tb("/x/sklearn/utils/validation.py", "_assert_all_finite",
+                          "ValueError: Input contains NaN, infinity or a value too large for dtype('float32')."),
+    # Python's int()/math.ceil of a NaN loss (a perplexity, a step count from it)
+    "int_of_nan": _tb("/home/u/train.py", "log_metrics", "ValueError: cannot convert float NaN to integer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE_NUMERIC))
+def test_nan_reaching_a_consumer_is_numeric(name: str) -> None:
+    d = diagnose_bytes(MORE_NUMERIC[name])
+    assert d.category is Category.NUMERIC, (name, d.summary)
+
+
+def test_tensorboardx_nan_warning_as_the_last_words() -> None:
+    """tensorboardX/x2num.py check_nan warns 'NaN or Inf found in input tensor.' for every NaN scalar logged."""
+    log = b"epoch 3 iter 1200\n" + b"WARNING:root:NaN or Inf found in input tensor.\n" * 3
+    assert diagnose_bytes(log).category is Category.NUMERIC
+
+
+def test_fairseq_gnorm_nan_tail() -> None:
+    """fairseq's progress lines log the grad norm as gnorm."""
+    log = b"".join(b"epoch 001:  %d / 500 loss=7.412, nll_loss=6.9, ppl=119.4, wps=1200, ups=2, gnorm=nan, clip=100\n" % i
+                   for i in (10, 20, 30))
+    assert diagnose_bytes(log).category is Category.NUMERIC

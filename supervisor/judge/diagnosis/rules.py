@@ -269,6 +269,7 @@ _RULE_TRIGGERS = (
     "found Inf", "found nan", "found inf", "loss scale reached", "cannot be clipped", "probability tensor",
     "found invalid values", "is not finite", "NaN loss", "nan loss", "Inf loss", "inf loss", "non-finite",
     "oss was", "oss has become", "oss went", "oss turned", "gradients detected", "gradient detected",
+    "contains NaN", "contains infinity", "Inf found in input", "float NaN", "float infinity",
     "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
     # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",

@@ -23,6 +23,10 @@ _NAN_DETECTED_RE = re.compile(
     r"|Monitored metric \S+ = (?:nan|-?inf) is not finite"
     r"|\b(?:NaN|nan|Inf|inf|non-finite) (?:loss|gradients?|grad norm)(?:es)? (?:detected|encountered|found)"
     r"|\b[Ll]oss (?:was|has become|went|turned|returned in \S+ is) (?:nan|NaN|inf|-inf|infinite|non-finite)\b"
+    # scikit-learn's _assert_all_finite (a metric over NaN outputs), tensorboardX's check_nan warning,
+    # Python's int() of a NaN/inf loss or step count
+    r"|\bInput (?:\w+ )?contains (?:NaN|infinity)|NaN or Inf found in input tensor"
+    r"|cannot convert float (?:NaN|infinity) to integer"
 )
 # Classes only a non-finite number raises: numpy's seterr and every trainer built on it (fairseq,
 # detectron2), TensorFlow's NanLossDuringTrainingError.
