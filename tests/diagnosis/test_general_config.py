@@ -194,3 +194,36 @@ def test_runtime_bugs_stay_crashes(name: str) -> None:
 def test_checks_in_other_words(name: str) -> None:
     d = diagnose_bytes(RUNTIME_CHECKS[name])
     assert d.category is Category.CONFIG_ERROR, (name, d.summary)
+
+
+MODULE_CASES = {
+    # yaml/scanner.py: the user's YAML config does not parse
+    "yaml_scanner": _tb([_MAIN, ("/x/site-packages/yaml/scanner.py", "fetch_value")],
+                        "yaml.scanner.ScannerError: mapping values are not allowed here"),
+    # omegaconf/errors.py: every class there is about the config (interpolations included)
+    "omegaconf_interpolation": _tb([_MAIN, ("/x/site-packages/omegaconf/base.py", "_resolve_interpolation")],
+                                   "omegaconf.errors.InterpolationKeyError: Interpolation key 'data.root' not found"),
+    # transformers/modeling_utils.py: a weights folder that holds no weights (the path given is wrong)
+    "no_weights_in_dir": _tb([_MAIN, ("/x/site-packages/transformers/modeling_utils.py", "from_pretrained")],
+                             "OSError: Error no file named pytorch_model.bin, model.safetensors, tf_model.h5, "
+                             "model.ckpt.index or flax_model.msgpack found in directory /data/ckpt/final."),
+}
+VERSION_CASES = {
+    # transformers/models/auto/tokenization_auto.py: a tokenizer class the installed release lacks
+    "tokenizer_class": _tb([_MAIN], "ValueError: Tokenizer class Qwen2Tokenizer does not exist or is not currently imported."),
+    # transformers/models/auto/auto_factory.py: a model class the installed release does not map
+    "auto_factory": _tb([_MAIN], "ValueError: Unrecognized configuration class <class 'transformers_modules.x.XConfig'> "
+                        "for this kind of AutoModel: AutoModelForCausalLM."),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODULE_CASES))
+def test_config_library_classes_and_missing_weights(name: str) -> None:
+    d = diagnose_bytes(MODULE_CASES[name])
+    assert d.category is Category.CONFIG_ERROR, (name, d.summary)
+
+
+@pytest.mark.parametrize("name", sorted(VERSION_CASES))
+def test_release_mismatches_stay_crashes(name: str) -> None:
+    d = diagnose_bytes(VERSION_CASES[name])
+    assert d.category is Category.CRASH_OTHER, (name, d.summary)

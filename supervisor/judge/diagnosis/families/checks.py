@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import re
 
+# Classes defined by a configuration library (its parser, its schema, its interpolation): the config.
+CONFIG_MODULE_RE = re.compile(r"^(?:omegaconf|hydra|yaml|ruamel\.yaml|jsonschema|pydantic|pydantic_core|toml|tomli"
+                              r"|tomllib|jsonargparse|simple_parsing|ml_collections|gin|dacite|marshmallow)\.")
 GRAMMAR_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "RuntimeError", "Exception"})
 
 # What was checked: a backticked or quoted name, a --flag, a snake_case option, or the words for one.
@@ -52,7 +55,9 @@ _BUG_RE = re.compile(r"values to unpack|torch\.Size|(?<!\w)[Tt]ensors?\b|\w+Tens
                      r"|out of bounds|\bNone\b.{0,20}(?:has no|is not)|\bcallable\b|\biterable\b|\bsubscriptable\b"
                      # the runtime's own view: kernels, devices' errors, autograd (a RuntimeError's usual words)
                      r"|CUDA error|cuDNN|cuBLAS|CUBLAS|NCCL|\bHIP\b|\bkernel\b|device-side|illegal memory|scalar type"
-                     r"|\bgrad(?:ient)?s?\b|backward|autograd|\bgraph\b|in-place|inplace|\barray\b")
+                     r"|\bgrad(?:ient)?s?\b|backward|autograd|\bgraph\b|in-place|inplace|\barray\b"
+                     # transformers' Auto classes on a release that lacks the model: a version mismatch
+                     r"|is not currently imported|for this kind of AutoModel|does not recognize this architecture")
 
 
 def says_config_check(msg: str) -> bool:

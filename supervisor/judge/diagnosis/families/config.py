@@ -25,6 +25,8 @@ _CONFIG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
             r"is not a local folder and is not a valid model identifier|Can't load (?:tokenizer|config|the configuration|the model)"
             r"|HFValidationError|Repo id must be|does not appear to have a file named|Incorrect path_or_model_id"
             r"|LocalEntryNotFoundError|RepositoryNotFoundError"
+            # modeling_utils.py: the folder given holds no weights file of any kind
+            r"|Error no file named \S+.* found in directory"
         ),
     ),
     (
@@ -114,7 +116,7 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     if hits:
         return
     if exc_form:
-        if exc in _CHECK_CLASSES or (exc and _CHECK_CLASS_RE.search(exc)):
+        if exc in _CHECK_CLASSES or (exc and _CHECK_CLASS_RE.search(exc)) or checks.CONFIG_MODULE_RE.match(seg.exc or ""):
             hits.append(Hit("config_check", Category.CONFIG_ERROR, ROOT, "invalid_config", exc=seg.exc))
             return
         if exc in _NOT_FOUND_EXCS and not _TOOL_OR_LIB_RE.search(t):
