@@ -227,3 +227,23 @@ def test_config_library_classes_and_missing_weights(name: str) -> None:
 def test_release_mismatches_stay_crashes(name: str) -> None:
     d = diagnose_bytes(VERSION_CASES[name])
     assert d.category is Category.CRASH_OTHER, (name, d.summary)
+
+
+GRAMMAR_EDGE = {
+    # transformers/trainer.py and TRL's checks in their own words (no corpus excerpt says these)
+    ("config", "ValueError: `max_seq_length` (4096) is larger than the maximum length for the model"),
+    ("config", "ValueError: Trainer: evaluation requires an eval_dataset."),
+    ("config", "ValueError: Config name is missing. Please pick one among the available configs: ['a', 'b']"),
+    # torch's TORCH_CHECKs on operands: bugs, even with 'expected ... got' and a dtype in them
+    ("bug", "RuntimeError: expected mat1 and mat2 to have the same dtype, but got: float != c10::Half"),
+    ("bug", ("RuntimeError: Given groups=1, weight of size [64, 3, 7, 7], expected input[1, 4, 224, 224] to have 3 "
+             "channels, but got 4 channels instead")),
+    ("bug", "RuntimeError: stack expects each tensor to be equal size, but got [3, 224, 224] at entry 0"),
+}
+
+
+@pytest.mark.parametrize(("kind", "line"), sorted(GRAMMAR_EDGE))
+def test_check_grammar_edges(kind: str, line: str) -> None:
+    d = diagnose_bytes(_tb([_MAIN], line))
+    want = Category.CONFIG_ERROR if kind == "config" else Category.CRASH_OTHER
+    assert d.category is want, (line, d.summary)

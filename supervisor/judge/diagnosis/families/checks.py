@@ -22,7 +22,7 @@ CONFIG_MODULE_RE = re.compile(r"^(?:omegaconf|hydra|yaml|ruamel\.yaml|jsonschema
 GRAMMAR_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "RuntimeError", "Exception"})
 
 # What was checked: a backticked or quoted name, a --flag, a snake_case option, or the words for one.
-_KEY = (r"(?:`[^`\s]{2,80}`|--?[A-Za-z][\w.-]+|'[A-Za-z_][\w.-]*'|\"[A-Za-z_][\w.-]*\"|\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b"
+_KEY = (r"(?:`[^`\s]{2,80}`|(?<![\w-])--?[A-Za-z][\w.-]+|'[A-Za-z_][\w.-]*'|\"[A-Za-z_][\w.-]*\"|\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b"
         r"|\b(?:argument|arguments|option|options|parameter|config(?:uration)?|setting|flag|mode|strategy|backend"
         r"|precision|dtype|fp16|bf16|fp8|int8|4-?bit|8-?bit|scheduler|optimizer|template|dataset|split|column|model_type"
         r"|batch size|micro batch|learning rate|world size|(?:number|num) of \w+|sequence length|max length|stage"
@@ -42,7 +42,8 @@ _REQUIRE = (r"(?:\b(?:must|should|has to|have to|needs? to)(?: not)? (?:be|have|
             r"|\bnot (?:found )?in the (?:dataset|config|registry|vocab)|\bout of range\b|\bdivisible by\b"
             r"|\bdoes not (?:exist|match)\b|\bnot found\b|\bavailable (?:configs|splits|options|choices)\b"
             r"|\bplease (?:pick|choose|select|set|specify|provide|pass|launch|use|run|add|remove|make sure|ensure)\b"
-            r"|\bexpected\b.{0,80}\b(?:but )?(?:got|received|found)\b)")
+            r"|\bexpected\b.{0,80}\b(?:but )?(?:got|received|found)\b"
+            r"|\bis (?:larger|greater|smaller|less|bigger|higher|lower|longer|shorter) than\b)")
 # The forms with no key to name: an unknown/unsupported/invalid NAME of a kind of setting.
 _KIND_RE = re.compile(r"\b(?:[Uu]nknown|[Uu]nsupported|[Ii]nvalid|[Uu]nrecognized) (?:\w+ ){0,2}?"
                       r"(?:type|mode|value|option|argument|strategy|backend|scheduler|optimizer|model[_ ]type"
@@ -55,6 +56,7 @@ _BUG_RE = re.compile(r"values to unpack|torch\.Size|(?<!\w)[Tt]ensors?\b|\w+Tens
                      r"|out of bounds|\bNone\b.{0,20}(?:has no|is not)|\bcallable\b|\biterable\b|\bsubscriptable\b"
                      # the runtime's own view: kernels, devices' errors, autograd (a RuntimeError's usual words)
                      r"|CUDA error|cuDNN|cuBLAS|CUBLAS|NCCL|\bHIP\b|\bkernel\b|device-side|illegal memory|scalar type"
+                     r"|c10::|\bmat\d\b|same dtype|\bchannels\b"
                      r"|\bgrad(?:ient)?s?\b|backward|autograd|\bgraph\b|in-place|inplace|\barray\b"
                      # transformers' Auto classes on a release that lacks the model: a version mismatch
                      r"|is not currently imported|for this kind of AutoModel|does not recognize this architecture")
