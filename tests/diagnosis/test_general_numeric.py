@@ -137,3 +137,25 @@ def test_fairseq_gnorm_nan_tail() -> None:
     log = b"".join(b"epoch 001:  %d / 500 loss=7.412, nll_loss=6.9, ppl=119.4, wps=1200, ups=2, gnorm=nan, clip=100\n" % i
                    for i in (10, 20, 30))
     assert diagnose_bytes(log).category is Category.NUMERIC
+
+
+def _assert_tb(code: str, exc: str, caret: bool) -> bytes:
+    return (b'Traceback (most recent call last):\n  File "/home/u/train.py", line 88, in train_step\n'
+            + f"    {code}\n".encode() + (b"           ^^^^^^^^^^^^^^^^^^^^^^\n" if caret else b"") + exc.encode() + b"\n")
+
+
+@pytest.mark.parametrize("caret", [False, True])
+@pytest.mark.parametrize("code", ["assert not torch.isnan(loss).any()", "assert torch.isfinite(grad_norm)",
+                                  "assert not np.isinf(x).any(), step"])
+def test_bare_assertion_of_finiteness_is_numeric(code: str, caret: bool) -> None:
+    """A program's own `assert not torch.isnan(loss)` fails with a bare AssertionError: what was asserted
+    is on the code line the traceback shows above it."""
+    d = diagnose_bytes(_assert_tb(code, "AssertionError", caret))
+    assert d.category is Category.NUMERIC, d.summary
+
+
+def test_other_asserts_and_other_exceptions_stay_crashes() -> None:
+    assert diagnose_bytes(_assert_tb("assert len(batch) > 0", "AssertionError", False)).category is Category.CRASH_OTHER
+    # an isnan() code line over a different exception: that exception speaks
+    d = diagnose_bytes(_assert_tb("assert not torch.isnan(loss).any()", "KeyError: 'loss'", False))
+    assert d.category is Category.CRASH_OTHER

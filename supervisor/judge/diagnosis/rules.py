@@ -270,6 +270,7 @@ _RULE_TRIGGERS = (
     "found invalid values", "is not finite", "NaN loss", "nan loss", "Inf loss", "inf loss", "non-finite",
     "oss was", "oss has become", "oss went", "oss turned", "gradients detected", "gradient detected",
     "contains NaN", "contains infinity", "Inf found in input", "float NaN", "float infinity",
+    "isnan(", "isinf(", "isfinite(", "isneginf(", "isposinf(",
     "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
     # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",

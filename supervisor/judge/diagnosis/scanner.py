@@ -26,7 +26,7 @@ from collections import deque
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, rules, scan_rich
 from supervisor.judge.diagnosis.conclude import conclude
-from supervisor.judge.diagnosis.families import checks
+from supervisor.judge.diagnosis.families import checks, numeric
 from supervisor.judge.diagnosis.families.gpu_memory import _PINNED_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.prefixes import PrefixModel
@@ -92,6 +92,7 @@ class LogScanner(StreamReading, ProgressReading):
         self._tail_pending: list[tuple[bytes, int, int, int, int]] = []
         self._rs = 0  # start of the buffer region being read (bounds backward searches)
         self._torchrun_rank: int | None = None
+        self._nan_assert: tuple[int | None, int] | None = None  # (rank, line) of `assert not isnan(...)` code
         self._min_scale_overflows = 0
         self._flushed = False
         self._tb_phases: dict[int | None, set[Phase]] = {}  # phases named by ANY frame of the open traceback
@@ -501,6 +502,12 @@ class LogScanner(StreamReading, ProgressReading):
         """Keep a hit as a finding. `form` says how the line stands (see _structural): any form is
         decisive for the verdict; only an exception ending a traceback with its header is fatal live."""
         structural = bool(form)
+        if hit.rule == "nan_assert_code":  # a traceback's code line: read with the exception under it
+            self._nan_assert = (seg.rank, line_no)
+            return
+        if (hit.rule == "python_exception" and structural and self._nan_assert is not None
+                and numeric.raised_by_finite_assert(hit.exc, self._nan_assert, seg.rank, line_no)):
+            hit = Hit("nan_detected", Category.NUMERIC, rules.ROOT, "nan_detected", exc=hit.exc)
         seen = self._line_key[1]
         if hit.rule in seen:
             return

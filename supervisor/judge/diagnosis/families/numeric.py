@@ -34,10 +34,24 @@ _NUMERIC_CLASS_RE = re.compile(r"^FloatingPointError$|^Nan\w*Error$|^NonFinite\w
 _NAN_LOSS_RE = re.compile(r"""['"]loss['"]:\s*(?:nan|-?inf)\b|loss\w*\s*[=:]\s*(?:nan|-?inf)\b""")
 
 
+# A traceback's code line that asserts the numbers are finite (`assert not torch.isnan(loss).any()`,
+# `assert np.isfinite(x).all()`): the bare AssertionError under it is that check failing.
+_FINITE_ASSERT_RE = re.compile(r"^assert\b.*\b(?:isnan|isinf|isfinite|isneginf|isposinf)\(")
+
+
+def raised_by_finite_assert(exc: str | None, code: tuple[int | None, int], rank: int | None, line_no: int) -> bool:
+    """Whether an exception at `line_no` is the AssertionError of the finiteness assert shown at `code`
+    (its caret line, 3.11+, may sit between them)."""
+    return (exc is not None and exc.rsplit(".", 1)[-1] == "AssertionError" and code[0] == rank
+            and 0 < line_no - code[1] <= 2)
+
+
 def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
     """Append this family's hits for one segment (`t` its text, `exc` its short exception class)."""
     # Numeric.
-    if exc_form and exc and _NUMERIC_CLASS_RE.search(exc) and not _LOSS_SCALE_MIN_RE.search(t):
+    if not exc_form and t.startswith("assert") and _FINITE_ASSERT_RE.search(t):
+        hits.append(Hit("nan_assert_code", Category.NUMERIC, HINT, "nan_detected"))
+    elif exc_form and exc and _NUMERIC_CLASS_RE.search(exc) and not _LOSS_SCALE_MIN_RE.search(t):
         hits.append(Hit("nan_detected", Category.NUMERIC, ROOT, "nan_detected", exc=seg.exc))
     elif _LOSS_SCALE_MIN_RE.search(t):
         hits.append(Hit("loss_scale_min", Category.NUMERIC, ROOT, "loss_scale_at_minimum", exc=seg.exc))
