@@ -159,3 +159,20 @@ def test_other_asserts_and_other_exceptions_stay_crashes() -> None:
     # an isnan() code line over a different exception: that exception speaks
     d = diagnose_bytes(_assert_tb("assert not torch.isnan(loss).any()", "KeyError: 'loss'", False))
     assert d.category is Category.CRASH_OTHER
+
+
+def test_deepspeed_unfused_optimizer_overflow_run() -> None:
+    """deepspeed/runtime/fp16/unfused_optimizer.py logs '[deepspeed] fp16 dynamic loss scale overflow! Skipping step.
+    Attempted loss scale: X, reducing to Y'; halving down to 1 with nothing after is a collapse."""
+    scales = [16.0, 8.0, 4.0, 2.0, 1.0]
+    log = b"".join(b"[INFO] [unfused_optimizer.py:207:step] [deepspeed] fp16 dynamic loss scale overflow! Skipping step. "
+                   b"Attempted loss scale: %.1f, reducing to %.1f\n" % (a, b) for a, b in zip(scales, scales[1:] + [1.0]))
+    assert diagnose_bytes(log).category is Category.NUMERIC
+
+
+def test_megatron_and_wandb_style_names() -> None:
+    """Megatron's ' lm loss: NaN | grad norm: nan |' and a logger's 'train/loss nan' are losses too."""
+    meg = b"".join(b" iteration %d/ 500000 | lm loss: 7.1E+00 | loss scale: 1.0 | grad norm: nan |\n" % i for i in (10, 20, 30))
+    assert diagnose_bytes(meg).category is Category.NUMERIC
+    wb = b"".join(b"step %d train/loss nan lr 1e-4\n" % i for i in (10, 20, 30))
+    assert diagnose_bytes(wb).category is Category.NUMERIC

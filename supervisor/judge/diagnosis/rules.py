@@ -48,7 +48,7 @@ _MARKER_TRIGGERS = (
     # Python path); the scanner tells "in a row" by looking for a dict between two bad ones.
     "'loss': 0.0,", "'loss': 0,", " example:", "input_ids:",
     "Loading checkpoint shards", "loading weights file", "*****", "Saving model checkpoint", "Loading model from",
-    "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW", "overflow detected",
+    "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW", "overflow detected", "scale overflow!",
     "local_rank", "is ready now", "Deleting older checkpoint", "Gradient overflow", "Loading weights",
     "Load checkpoint", "Loading checkpoint from", "loading model tensors", "zero partition checkpoints", "zero checkpoints",
     # chained exceptions; C++ aborts; a program that says it retries after an OOM
@@ -171,7 +171,9 @@ TOTAL_STEPS_RE = re.compile(r"Total optimization steps = (\d[\d,]*)")
 CHECKPOINT_STEP_RE = re.compile(r"Saving model checkpoint to \S*checkpoint-(\d+)")
 DS_STEP_RE = re.compile(r"\bstep=(\d+), skipped=\d+")
 RETRY_BATCH_RE = re.compile(r"Currently training with a batch size of: (\d+)")
-LOSS_SCALE_RE = re.compile(r"OVERFLOW!.*?Attempted loss scale: (\d+(?:\.\d+)?)(?:, reducing to (\d+(?:\.\d+)?))?")
+# DeepSpeed's fused ("OVERFLOW! Rank 0 Skipping step") and unfused ("fp16 dynamic loss scale overflow! Skipping
+# step") optimizers
+LOSS_SCALE_RE = re.compile(r"(?:OVERFLOW!|scale overflow! Skipping step\.).*?Attempted loss scale: (\d+(?:\.\d+)?)(?:, reducing to (\d+(?:\.\d+)?))?")
 # Megatron/apex-style: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 0.5"
 # fairseq/trainer.py: "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 64.0"
 GRAD_OVERFLOW_RE = re.compile(r"(?:Gradient overflow\.\s+Skipping step,.*?reducing (?:loss scale )?to"

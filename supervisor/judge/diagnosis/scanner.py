@@ -467,7 +467,7 @@ class LogScanner(StreamReading, ProgressReading):
                         and 0 <= line_no - w.line_no <= RETRY_WINDOW):
                     w.recovered = True
                     w.notes.append(f"the program said it retries at line {line_no}")
-        if "OVERFLOW" in t or "Gradient overflow" in t or "overflow detected" in t:
+        if "OVERFLOW" in t or "Gradient overflow" in t or "overflow detected" in t or "scale overflow!" in t:
             m = rules.LOSS_SCALE_RE.search(t) or rules.GRAD_OVERFLOW_RE.search(t)
             if m and float(m.group(1)) <= 1:
                 self._min_scale_overflows += 1
