@@ -81,6 +81,10 @@ MENTION_CASES = {
     "argparse_required": b"usage: run.py [-h] --model_name_or_path MODEL_NAME_OR_PATH\n"
                          b"run.py: error: the following arguments are required: --model_name_or_path\n",
     "argparse_unrecognized": b"usage: run.py [-h]\nrun.py: error: unrecognized arguments: --lora_rnak 8\n",
+    # click/exceptions.py UsageError.show(): usage, a hint, then "Error: {message}"
+    "click_no_such_option": b"Usage: train.py [OPTIONS]\nTry 'train.py --help' for help.\n\nError: No such option: --lr\n",
+    "click_invalid_value": b"Usage: train.py [OPTIONS]\nTry 'train.py --help' for help.\n\n"
+                           b"Error: Invalid value for '--precision': 'fp8' is not one of 'fp16', 'bf16', 'fp32'.\n",
     # hydra/_internal/instantiate/_instantiate2.py: "Error in call to target '...':\n{repr(e)}"
     "hydra_call_target": b"Error executing job with overrides: []\n"
                          b"Error in call to target 'models.Encoder':\n"

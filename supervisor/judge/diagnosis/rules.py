@@ -265,7 +265,8 @@ _RULE_TRIGGERS = (
     # config checks said outside an exception line (families/config.py)
     "size mismatch for", "Please verify arguments", "is not in struct", "Could not override", "only the following",
     ": error: ", "call to target", "locating target", "Missing mandatory value", "model is torch.Size",
-    "TypeError(",
+    "TypeError(", "No such option", "Invalid value for", "Missing option", "Missing argument", "Missing parameter",
+    "unexpected extra argument",
     # numeric blow-ups in other frameworks' words (families/numeric.py)
     "oss is nan", "oss is NaN", "oss is inf", "Invalid loss", "Tensor had", "found NaN",
     "found Inf", "found nan", "found inf", "loss scale reached", "cannot be clipped", "probability tensor",

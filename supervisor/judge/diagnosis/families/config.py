@@ -89,6 +89,9 @@ _CHECK_MENTION_RE = re.compile(r"size mismatch for \S+: copying a param with sha
                                # argparse.py ArgumentParser.error(): "%(prog)s: error: %(message)s", exit 2
                                r"|^\S+: error: (?:argument \S+: |unrecognized arguments: |the following arguments are"
                                r" required: |ambiguous option: )"
+                               # click/exceptions.py UsageError.show(): "Error: {message}", exit 2
+                               r"|^Error: (?:No such option: |Invalid value for |Missing (?:option|argument|parameter) "
+                               r"|Got unexpected extra arguments? )"
                                # hydra's instantiate (_instantiate2.py) and omegaconf's MissingMandatoryValue
                                r"|^Error (?:in call to|locating) target '|^Missing mandatory value: "
                                # ...and the repr of what the target refused, the line after: a key it does not take
