@@ -187,8 +187,9 @@ def _final_error(state: ScanState, active: list[Finding]) -> list[Finding]:
 
 SCALE_RUN = 4  # overflows in a row, each lowering the loss scale further
 LOW_SCALE = 2.0  # DeepSpeed's default minimum is 1; a run that got here has nowhere left to go
-# A loss by any name a framework logs it under (decode.loss_seg, loss_cls, noise_step_loss) or a grad norm.
-_LOSS_VALUE_RE = re.compile(r"""(?:^|[\s{,'"|(])(?P<name>[\w.]*loss\w*|grad_norm)['"]?\s*[=:]\s*['"]?"""
+# A loss by any name a framework logs it under (decode.loss_seg, loss_cls, noise_step_loss) or a grad norm,
+# after `=`, `:` or only spaces (pytorch/examples' `| loss   nan | ppl   nan`, fairseq's `loss nan |`).
+_LOSS_VALUE_RE = re.compile(r"""(?:^|[\s{,'"|(/\[])(?P<name>[\w.]*loss\w*|grad_norm|grad norm|gnorm)['"]?(?:\s*[=:]\s*|\s+)['"]?"""
                             r"""(?:np\.float\d+\(|tensor\()?(?P<v>nan|-?inf|[-+]?\d[\d.e+-]*)""", re.IGNORECASE)
 NAN_TAIL_RUN = 2
 _NAN_SAID_RE = re.compile(r"[Ll]oss (?:is|became) (?:nan|NaN|inf)\b|Invalid loss, terminating training")
@@ -221,7 +222,7 @@ def _nan_tail_run(state: ScanState) -> Root | None:
             bad.append((n, raw))
             continue
         vals = [(m.group("name").lower(), m.group("v").lower()) for m in _LOSS_VALUE_RE.finditer(raw)]
-        main = [v for name, v in vals if name in ("loss", "total_loss", "train_loss", "grad_norm")]
+        main = [v for name, v in vals if name in ("loss", "total_loss", "train_loss", "grad_norm", "grad norm", "gnorm")]
         if not main:
             # A multi-line step logs several losses apart: only the same loss finite on the other side
             # of a NaN one (after: it recovered; before: the run of NaN starts there) ends the run.

@@ -48,7 +48,7 @@ _MARKER_TRIGGERS = (
     # Python path); the scanner tells "in a row" by looking for a dict between two bad ones.
     "'loss': 0.0,", "'loss': 0,", " example:", "input_ids:",
     "Loading checkpoint shards", "loading weights file", "*****", "Saving model checkpoint", "Loading model from",
-    "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW",
+    "Continuing training", "Resuming training", "optimization steps", "skipped=", "batch size of", "OVERFLOW", "overflow detected", "scale overflow!",
     "local_rank", "is ready now", "Deleting older checkpoint", "Gradient overflow", "Loading weights",
     "Load checkpoint", "Loading checkpoint from", "loading model tensors", "zero partition checkpoints", "zero checkpoints",
     # chained exceptions; C++ aborts; a program that says it retries after an OOM
@@ -173,9 +173,13 @@ TOTAL_STEPS_RE = re.compile(r"Total optimization steps = (\d[\d,]*)")
 CHECKPOINT_STEP_RE = re.compile(r"Saving model checkpoint to \S*checkpoint-(\d+)")
 DS_STEP_RE = re.compile(r"\bstep=(\d+), skipped=\d+")
 RETRY_BATCH_RE = re.compile(r"Currently training with a batch size of: (\d+)")
-LOSS_SCALE_RE = re.compile(r"OVERFLOW!.*?Attempted loss scale: (\d+(?:\.\d+)?)(?:, reducing to (\d+(?:\.\d+)?))?")
+# DeepSpeed's fused ("OVERFLOW! Rank 0 Skipping step") and unfused ("fp16 dynamic loss scale overflow! Skipping
+# step") optimizers
+LOSS_SCALE_RE = re.compile(r"(?:OVERFLOW!|scale overflow! Skipping step\.).*?Attempted loss scale: (\d+(?:\.\d+)?)(?:, reducing to (\d+(?:\.\d+)?))?")
 # Megatron/apex-style: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 0.5"
-GRAD_OVERFLOW_RE = re.compile(r"Gradient overflow\.\s+Skipping step,.*?reducing (?:loss scale )?to (\d+(?:\.\d+)?(?:e[-+]?\d+)?)")
+# fairseq/trainer.py: "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 64.0"
+GRAD_OVERFLOW_RE = re.compile(r"(?:Gradient overflow\.\s+Skipping step,.*?reducing (?:loss scale )?to"
+                              r"|overflow detected, ignoring gradient, setting loss scale to:)\s*(\d+(?:\.\d+)?(?:e[-+]?\d+)?)")
 TORCHRUN_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
 
 
@@ -262,8 +266,16 @@ _RULE_TRIGGERS = (
     "check your connection", "Internet connection", "SSLError", "ProxyError",
     # config checks said outside an exception line (families/config.py)
     "size mismatch for", "Please verify arguments", "is not in struct", "Could not override", "only the following",
+    ": error: ", "call to target", "locating target", "Missing mandatory value", "model is torch.Size",
+    "TypeError(", "No such option", "Invalid value for", "Missing option", "Missing argument", "Missing parameter",
+    "unexpected extra argument",
     # numeric blow-ups in other frameworks' words (families/numeric.py)
     "oss is nan", "oss is NaN", "oss is inf", "Invalid loss", "Tensor had", "found NaN",
+    "found Inf", "found nan", "found inf", "loss scale reached", "cannot be clipped", "probability tensor",
+    "found invalid values", "is not finite", "NaN loss", "nan loss", "Inf loss", "inf loss", "non-finite",
+    "oss was", "oss has become", "oss went", "oss turned", "gradients detected", "gradient detected",
+    "contains NaN", "contains infinity", "Inf found in input", "float NaN", "float infinity",
+    "isnan(", "isinf(", "isfinite(", "isneginf(", "isposinf(",
     "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
     # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",

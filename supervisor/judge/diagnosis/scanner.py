@@ -26,6 +26,7 @@ from collections import deque
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
 from supervisor.judge.diagnosis import kernel, rules, scan_rich
 from supervisor.judge.diagnosis.conclude import conclude
+from supervisor.judge.diagnosis.families import checks, numeric
 from supervisor.judge.diagnosis.families.environment import network_frame
 from supervisor.judge.diagnosis.families.gpu_memory import _PINNED_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
@@ -92,6 +93,7 @@ class LogScanner(StreamReading, ProgressReading):
         self._tail_pending: list[tuple[bytes, int, int, int, int]] = []
         self._rs = 0  # start of the buffer region being read (bounds backward searches)
         self._torchrun_rank: int | None = None
+        self._nan_assert: tuple[int | None, int] | None = None  # (rank, line) of `assert not isnan(...)` code
         self._min_scale_overflows = 0
         self._flushed = False
         self._tb_phases: dict[int | None, set[Phase]] = {}  # phases named by ANY frame of the open traceback
@@ -466,7 +468,7 @@ class LogScanner(StreamReading, ProgressReading):
                         and 0 <= line_no - w.line_no <= RETRY_WINDOW):
                     w.recovered = True
                     w.notes.append(f"the program said it retries at line {line_no}")
-        if "OVERFLOW" in t or "Gradient overflow" in t:
+        if "OVERFLOW" in t or "Gradient overflow" in t or "overflow detected" in t or "scale overflow!" in t:
             m = rules.LOSS_SCALE_RE.search(t) or rules.GRAD_OVERFLOW_RE.search(t)
             if m and float(m.group(1)) <= 1:
                 self._min_scale_overflows += 1
@@ -501,6 +503,12 @@ class LogScanner(StreamReading, ProgressReading):
         """Keep a hit as a finding. `form` says how the line stands (see _structural): any form is
         decisive for the verdict; only an exception ending a traceback with its header is fatal live."""
         structural = bool(form)
+        if hit.rule == "nan_assert_code":  # a traceback's code line: read with the exception under it
+            self._nan_assert = (seg.rank, line_no)
+            return
+        if (hit.rule == "python_exception" and structural and self._nan_assert is not None
+                and numeric.raised_by_finite_assert(hit.exc, self._nan_assert, seg.rank, line_no)):
+            hit = Hit("nan_detected", Category.NUMERIC, rules.ROOT, "nan_detected", exc=hit.exc)
         seen = self._line_key[1]
         if hit.rule in seen:
             return
@@ -517,7 +525,8 @@ class LogScanner(StreamReading, ProgressReading):
             funcs = " ".join(f for f, _ in frames)
             if hit.rule == "driver_oom" and _PINNED_RE.search(funcs + " " + paths):
                 hit = Hit("pinned_host_oom", Category.HOST_OOM, hit.tier, "pinned", fatal=True, vendor="cpu", exc=hit.exc)
-            if hit.rule == "python_exception" and structural and _CONFIG_FRAME_RE.search(frames[-1][1]):
+            if hit.rule == "python_exception" and structural and (
+                    _CONFIG_FRAME_RE.search(frames[-1][1]) or checks.raised_at_config_frame(hit.exc, *frames[-1])):
                 # Raised while the arguments were parsed or validated (LLaMA-Factory's parser, HfArgumentParser).
                 hit = Hit("invalid_arguments", Category.CONFIG_ERROR, rules.ROOT, "invalid_arguments", exc=hit.exc)
             elif hit.rule == "python_exception" and structural:

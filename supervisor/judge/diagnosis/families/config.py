@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 from supervisor.core.models import Category
+from supervisor.judge.diagnosis.families import checks
 from supervisor.judge.diagnosis.hits import HINT, ROOT, Hit, Segment
 
 # --- config ---------------------------------------------------------------
@@ -24,6 +25,8 @@ _CONFIG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
             r"is not a local folder and is not a valid model identifier|Can't load (?:tokenizer|config|the configuration|the model)"
             r"|HFValidationError|Repo id must be|does not appear to have a file named|Incorrect path_or_model_id"
             r"|LocalEntryNotFoundError|RepositoryNotFoundError"
+            # modeling_utils.py: the folder given holds no weights file of any kind
+            r"|Error no file named \S+.* found in directory"
         ),
     ),
     (
@@ -51,8 +54,6 @@ _CHECK_CLASSES = frozenset({
     "MisconfigurationException", "ConfigAttributeError", "ConfigKeyError", "ConfigTypeError",
     "ConfigCompositionException", "OverrideParseException", "MissingMandatoryValue",
 })
-# A pydantic model of a configuration (DeepSpeed's, axolotl's, a trainer's arguments) refused it.
-_CONFIG_MODEL_RE = re.compile(r"validation errors? for \w*(?:Config|Arg|Param|Setting|Option)")
 # Messages of config checks, whatever class carries them (ValueError, AssertionError, KeyError, ...).
 _CHECK_MESSAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
     # load_state_dict: a checkpoint of another model, vocabulary or LoRA rank than the one built
@@ -84,7 +85,27 @@ _CHECK_CARRIERS = frozenset({"ValueError", "AssertionError", "KeyError", "Runtim
 _CHECK_MENTION_RE = re.compile(r"size mismatch for \S+: copying a param with shape|Please verify arguments"
                                # the end of a long check message (PEFT's target module, printed as a repr)
                                r"|\) is not supported\. Currently, only the following \w+ are supported"
-                               r"|^Key '[^']*' is not in struct|^Could not override '")
+                               r"|^Key '[^']*' is not in struct|^Could not override '"
+                               # argparse.py ArgumentParser.error(): "%(prog)s: error: %(message)s", exit 2
+                               r"|^\S+: error: (?:argument \S+: |unrecognized arguments: |the following arguments are"
+                               r" required: |ambiguous option: )"
+                               # click/exceptions.py UsageError.show(): "Error: {message}", exit 2
+                               r"|^Error: (?:No such option: |Invalid value for |Missing (?:option|argument|parameter) "
+                               r"|Got unexpected extra arguments? )"
+                               # hydra's instantiate (_instantiate2.py) and omegaconf's MissingMandatoryValue
+                               r"|^Error (?:in call to|locating) target '|^Missing mandatory value: "
+                               # ...and the repr of what the target refused, the line after: a key it does not take
+                               r"|^TypeError\([\"'][\w.]*__init__\(\) (?:got an unexpected keyword|missing \d+ required)"
+                               # load_state_dict's message wrapped mid-sentence (module.py)
+                               r"|^(?:the shape in )?current\s*(?:model is )?torch\.Size\(|^model is torch\.Size\(")
+
+
+# A class a framework raises only for its configuration or arguments (allennlp's ConfigurationError,
+# argparse's ArgumentError, click's BadParameter, hydra's InstantiationException, any *ConfigError).
+_CHECK_CLASS_RE = re.compile(r"^(?:[A-Z]\w*)?(?:Config|Configuration)(?:Validation)?(?:Error|Exception)$"
+                             r"|^(?:Argument|Arguments|ArgumentType|Setting|Settings|Option|Options|Parameter|HParams?"
+                             r"|Usage)(?:Error|Exception)$|^Misconfiguration|^Instantiation|^MissingConfig|^BadParameter$"
+                             r"|^ValidationError$")
 
 
 def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
@@ -98,7 +119,7 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     if hits:
         return
     if exc_form:
-        if exc in _CHECK_CLASSES or (exc == "ValidationError" and _CONFIG_MODEL_RE.search(t)):
+        if exc in _CHECK_CLASSES or (exc and _CHECK_CLASS_RE.search(exc)) or checks.CONFIG_MODULE_RE.match(seg.exc or ""):
             hits.append(Hit("config_check", Category.CONFIG_ERROR, ROOT, "invalid_config", exc=seg.exc))
             return
         if exc in _NOT_FOUND_EXCS and not _TOOL_OR_LIB_RE.search(t):
@@ -109,6 +130,9 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
                 if rx.search(t):
                     hits.append(Hit(name, Category.CONFIG_ERROR, ROOT, name, exc=seg.exc))
                     return
+        if exc in checks.GRAMMAR_CARRIERS and checks.says_config_check(seg.exc_msg or t):
+            hits.append(Hit("config_check", Category.CONFIG_ERROR, ROOT, "invalid_config", exc=seg.exc))
+            return
     elif _CHECK_MENTION_RE.search(t):
         # Structural only as the final error of the log (conclude promotes a *_mention there).
         hits.append(Hit("config_check_mention", Category.CONFIG_ERROR, HINT, "invalid_config"))
