@@ -8,6 +8,7 @@ it failed: 3x8 was never tried again, and the failure said the model states need
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 from supervisor.core.models import AttemptRecord, DecisionKind, ExitRecord, JobContext, Overrides
@@ -74,6 +75,10 @@ def test_a_failed_learned_start_goes_back_to_the_configuration_that_fit():
     start, why = L.initial_overrides(ctx, POLICY, obs)
     assert R.view_of(ctx, start).micro > 3, why  # cheaper than what fit, and wrong
     assert why.endswith("; if it runs out of memory, back to 3x8, which fit (job lf-lora, attempt 4)"), why
+    # The account travels with the attempt's recorded overrides (the daemon stores to_dict()).
+    start = Overrides.from_dict(json.loads(json.dumps(start.to_dict())))
+    assert start.learned["fallback_label"] == "3x8"
+    assert start.fingerprint() == dataclasses.replace(start, learned=None).fingerprint()  # not the configuration
     tried2, obs2 = night(ctx, start, first=len(obs) + 1)
     assert tried2 == [L.label(ctx, start), "3x8"], tried2
     assert len(tried2) <= len(tried1), (tried1, tried2)

@@ -205,13 +205,16 @@ class Prediction:
 def margin_of(ctx: JobContext, c: Correction, resource: str) -> float:
     """A prediction's margin: the distance of the evidence (MARGINS, SETUP_MARGIN) plus what it has
     shown (evidence_margin: its error on this kind, and more with fewer fits). No fit under the
-    candidate's ZeRO/offload setup: the estimator's own number, with SETUP_MARGIN where other setups
-    were seen (their ratios are not carried), except on a GPU run's host (DeepSpeed's formula
-    carries its 1.5x), and the lower bounds it rests on add theirs. A CPU run's host need is the
-    whole training's estimate, which had no margin at all ("x1.00, margin 0%", issue 27)."""
+    candidate's ZeRO/offload setup: the estimator's own number, with SETUP_MARGIN and a single fit's
+    margin where other setups were seen (their ratios are not carried; never less margin than a
+    setup with evidence, which pushed starts to unseen setups), except on a GPU run's host
+    (DeepSpeed's formula carries its 1.5x), and the lower bounds it rests on add theirs. A CPU
+    run's host need is the whole training's estimate, which had no margin ("margin 0%", issue 27)."""
     if c.tier is None:
         setup = c.unseen_setup and (resource == "gpu" or not on_gpu(ctx))
-        return (SETUP_MARGIN if setup else 0.0) + (evidence_margin(c, resource) if c.basis else 0.0)
+        # No fit under its setup is the fewest observations there are: never less than one fit's.
+        return (SETUP_MARGIN + evidence_margin(c, resource) if setup
+                else evidence_margin(c, resource) if c.basis else 0.0)
     return MARGINS.get(c.tier, 0.0) + (0.0 if c.same_setup else SETUP_MARGIN) + evidence_margin(c, resource)
 
 
