@@ -120,6 +120,12 @@ def test_the_fallback_is_said_in_the_decisions_words_and_takes_away_what_learnin
         keys = {c.key for c in d.changes}
         assert "per_device_train_batch_size" in keys
         assert ov is start or "use_unsloth_gc" in keys
+    # A real record's time is said as the night's date.
+    dated = [obs[0], dataclasses.replace(obs[1], time=1796594400.0)]
+    dated_start, _ = L.initial_overrides(ctx, POLICY, dated)
+    d = decide(ctx, [AttemptRecord(1, dated_start, gpu_oom(cap, cap - GiB, 2 * GiB), ExitRecord(1))],
+               gpu_oom(cap, cap - GiB, 2 * GiB), POLICY)
+    assert "back to 4x4, which fit on 2026-12-06 (job earlier, attempt 2)" in d.reason, d.reason
     # No fit known: what learning added goes first, and the ladder cuts the split without it.
     alone = dataclasses.replace(added, learned={"start": "8x2 + checkpoints in host RAM", "source": "predicted",
                                                 "added": ["grad_checkpointing"],

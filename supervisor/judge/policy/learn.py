@@ -384,7 +384,7 @@ def _seen(o: Observation) -> str:
     where = f"job {o.job}, attempt {o.attempt}" if o.job else f"attempt {o.attempt}"
     if o.time < 1e9:  # no wall-clock time (a simulated or hand-made record)
         return f"({where})"
-    day = datetime.datetime.fromtimestamp(o.time, datetime.UTC).strftime("%Y-%m-%d")
+    day = datetime.datetime.fromtimestamp(o.time, datetime.timezone.utc).strftime("%Y-%m-%d")
     return f"on {day} ({where})"
 
 
@@ -393,7 +393,7 @@ def known_fit(ctx: JobContext, pred: Prediction, but: Candidate | None = None) -
     job's policy, still counted as fitting), other than `but`, with its newest fit."""
     best: tuple[Candidate, Observation] | None = None
     for c in pred.candidates:
-        if c.source != "observed" or not c.fits or (but is not None and c.overrides == but.overrides):
+        if c.source != "observed" or not c.fits or (but is not None and c.overrides.fingerprint() == but.overrides.fingerprint()):
             continue
         sig = config_sig(memory_key(ctx, c.overrides), c.overrides)
         fits = [o for o in pred.same_kind if o.outcome == "fit" and config_sig(o.key, o.overrides) == sig]
