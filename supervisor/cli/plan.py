@@ -161,9 +161,11 @@ def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: f
     key = LO.memory_key(ctx, Overrides())
     used = {id(o) for o in (*pred.gpu.basis, *pred.host.basis, *pred.same_kind)}
 
-    def corr(c: LE.Correction) -> dict[str, Any]:
+    def corr(c: LE.Correction, resource: str) -> dict[str, Any]:
         return {"k": round(c.k, 3), "tier": c.tier, "raised_by_oom": c.bounded_by_oom,
-                "margin": LO.MARGINS.get(c.tier or "", 0.0), "observations": len(c.basis)}
+                # a same-setup prediction's (learn.margin_of): the tier's and what the evidence has shown
+                "margin": round(LO.MARGINS.get(c.tier, 0.0) + LE.evidence_margin(c, resource), 3) if c.tier else 0.0,
+                "observations": len(c.basis)}
 
     obs = [{"job": o.job, "attempt": o.attempt, "tier": LE.tier_of(key, o, ctx.name), "outcome": o.outcome,
             "config": f"{o.key.get('micro_batch')}x{o.key.get('grad_accum')}",
@@ -175,7 +177,7 @@ def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: f
            for o in observations if id(o) in used]
     cands = sorted(pred.candidates, key=lambda c: -c.speed)
     refusal = LR.refusal_bound(ctx, policy, observations)
-    return {"gpu": corr(pred.gpu), "host": corr(pred.host), "fit_headroom": policy.fit_headroom,
+    return {"gpu": corr(pred.gpu, "gpu"), "host": corr(pred.host, "host"), "fit_headroom": policy.fit_headroom,
             "gpu_limit_gib": None if pred.gpu_limit is None else round(pred.gpu_limit / GiB, 2),
             "host_limit_gib": None if pred.host_limit is None else round(pred.host_limit / GiB, 2),
             "observations": obs,

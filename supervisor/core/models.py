@@ -233,15 +233,22 @@ class Overrides:
     env: Mapping[str, str] = field(default_factory=dict)
     deepspeed: Mapping[str, Any] | None = None
     notes: tuple[str, ...] = ()
+    # A learned start's own account (judge/policy/learn.py): what it was chosen over and the
+    # configuration last seen to fit, so that its OOM goes back there (judge/policy/fallback.py).
+    # Not part of the configuration: a rung's Overrides never carries it on.
+    learned: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "rungs": list(self.rungs),
             "yaml": dict(self.yaml),
             "env": dict(self.env),
             "deepspeed": dict(self.deepspeed) if self.deepspeed is not None else None,
             "notes": list(self.notes),
         }
+        if self.learned is not None:
+            d["learned"] = dict(self.learned)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> Overrides:
@@ -253,13 +260,14 @@ class Overrides:
             env=dict(d.get("env") or {}),
             deepspeed=d.get("deepspeed"),
             notes=tuple(d.get("notes") or ()),
+            learned=d.get("learned"),
         )
 
     def fingerprint(self) -> str:
         """Stable identity of the configuration, to never repeat a failed one."""
         import json
 
-        body = {k: v for k, v in self.to_dict().items() if k not in ("rungs", "notes")}
+        body = {k: v for k, v in self.to_dict().items() if k not in ("rungs", "notes", "learned")}
         return json.dumps(body, sort_keys=True, default=str)
 
 

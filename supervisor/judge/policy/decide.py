@@ -352,7 +352,10 @@ def _out_of_memory(job: JobContext, history: Sequence[AttemptRecord], diagnosis:
     """The escalation ladder."""
     cat = diagnosis.category
     if cat in OOM:
-        return _with_original_values(job, _decide_oom(job, history, diagnosis, policy, current))
+        from supervisor.judge.policy.fallback import learned_fallback
+
+        back = learned_fallback(job, history, diagnosis, policy, current, _decide_oom, LF_DEFAULTS)
+        return _with_original_values(job, back or _decide_oom(job, history, diagnosis, policy, current))
     return None
 
 
@@ -604,12 +607,16 @@ def _capped_smaller_batch(job: JobContext, current: Overrides, diag: Diagnosis, 
 
 
 def _host_ram_note(job: JobContext, setup: Any, policy: Policy) -> str:
+    """What the model's states alone hold in host RAM: on a run with no GPU all of them (the
+    offloaded share alone said '~0.00 GiB' for a LoRA), said only where it rounds to something."""
     lil = job.largest_layer_params or (job.param_count or 0) // 40
-    _, host = model_states(job.param_count or 0, lil, job.launched_world_size(), setup)
+    gpu, host = model_states(job.param_count or 0, lil, job.launched_world_size(), setup)
+    if R.without_gpu(job):
+        host += gpu
     budget = R.host_budget(job, policy)
     have = (f" of the ~{_gib(budget)} the job may use ({R.host_budget_source(job, policy)})"
             if budget is not None else "")
-    return f"; model states alone need ~{_gib(host)} host RAM{have}" if host else ""
+    return f"; model states alone need ~{_gib(host)} host RAM{have}" if host >= GiB // 100 else ""
 
 
 # Rungs that move memory from the GPU to host RAM: the ones a new host OOM steps back from.

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from supervisor.core.models import Category, Diagnosis, JobContext, Overrides
 from supervisor.judge.policy import rungs as R
@@ -42,6 +43,7 @@ from supervisor.judge.policy import search as S
 from supervisor.judge.policy.evidence import (
     Correction,
     correction,
+    evidence_margin,
     outweighed,
     records,
     tier,
@@ -144,11 +146,14 @@ def configurations(ctx: JobContext, policy: Policy, observed: Iterable[Overrides
     configurations seen to fit for this kind that the job's own policy allows. `host_check`
     is the offload rungs' (rungs._zero3): "possible" for every configuration the policy could
     ever reach on this box (what a refusal must rule out)."""
-    diag, mem = Diagnosis(Category.GPU_OOM, "learned plan"), R.Memory()
+    # A run with no GPU runs out of host memory only: a GPU OOM here would count as a GPU seen
+    # (rungs.without_gpu) and let the GPU-only remedies (offload) in (issue 27 item 1).
+    cat = Category.HOST_OOM if R.without_gpu(ctx) else Category.GPU_OOM
+    diag, mem = Diagnosis(cat, "learned plan"), R.Memory()
     ladder = set(policy.ladder)
     bases = [Overrides()]
     if "grad_checkpointing" in ladder:  # on when off; else checkpoints in host RAM where allowed
-        r = R.grad_checkpointing(ctx, Overrides(), diag, policy, mem)
+        r = R.grad_checkpointing(ctx, Overrides(), diag, policy, mem, host_pressure=R.without_gpu(ctx))
         if isinstance(r, R.Applied):
             bases.append(r.overrides)
     for name in ("zero3_offload_optimizer", "zero3_offload_param"):
@@ -197,6 +202,22 @@ class Prediction:
         return bool(self.gpu.basis or self.host.basis)
 
 
+def margin_of(ctx: JobContext, c: Correction, resource: str) -> float:
+    """A prediction's margin: the distance of the evidence (MARGINS, SETUP_MARGIN) plus what it has
+    shown (evidence_margin: its error on this kind, and more with fewer fits). No fit under the
+    candidate's ZeRO/offload setup: the estimator's own number, with SETUP_MARGIN and a single fit's
+    margin where other setups were seen (their ratios are not carried; never less margin than a
+    setup with evidence, which pushed starts to unseen setups), except on a GPU run's host
+    (DeepSpeed's formula carries its 1.5x), and the lower bounds it rests on add theirs. A CPU
+    run's host need is the whole training's estimate, which had no margin ("margin 0%", issue 27)."""
+    if c.tier is None:
+        setup = c.unseen_setup and (resource == "gpu" or not on_gpu(ctx))
+        # No fit under its setup is the fewest observations there are: never less than one fit's.
+        return (SETUP_MARGIN + evidence_margin(c, resource) if setup
+                else evidence_margin(c, resource) if c.basis else 0.0)
+    return MARGINS.get(c.tier, 0.0) + (0.0 if c.same_setup else SETUP_MARGIN) + evidence_margin(c, resource)
+
+
 def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]) -> Prediction | None:
     """Every start configuration with its corrected need; None when the model shape is unknown.
     Judged against the job's budget on this box, not against what other processes hold now."""
@@ -236,15 +257,7 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
         host = int(ph * hc_.k) if ph is not None else None
         used = gc_ if gc_.basis else hc_
 
-        def margin_of(c: Correction, resource: str) -> float:
-            """By the distance of the evidence. No fit under the candidate's ZeRO/offload setup: the
-            estimator's own number, with SETUP_MARGIN on the GPU where other setups were seen (their
-            ratios are not carried); on the host none (DeepSpeed's formula carries its 1.5x)."""
-            if c.tier is None:
-                return SETUP_MARGIN if c.unseen_setup and resource == "gpu" else 0.0
-            return MARGINS.get(c.tier, 0.0) + (0.0 if c.same_setup else SETUP_MARGIN)
-
-        m_gpu, m_host = margin_of(gc_, "gpu"), margin_of(hc_, "host")
+        m_gpu, m_host = margin_of(ctx, gc_, "gpu"), margin_of(ctx, hc_, "host")
         margin = m_gpu if pg is not None else m_host
         source = "predicted"
         g_lim, h_lim = gpu_limit, host_limit
@@ -357,5 +370,57 @@ def initial_overrides(ctx: JobContext, policy: Policy,
     choice = pred.chosen
     if choice is None:
         return Overrides(), None  # nothing predicted to fit: the ladder (and infeasible()) take over
-    ov = choice.overrides
-    return ov, reason_for(ctx, pred, choice)
+    info = account(ctx, policy, pred, choice)
+    why = reason_for(ctx, pred, choice)
+    if choice.source != "observed" and info.get("fallback_label"):
+        why += f"; if it runs out of memory, back to {info['fallback_label']}, which fit {info['fallback_seen']}"
+    return dataclasses.replace(choice.overrides, learned=info), why
+
+
+def _seen(o: Observation) -> str:
+    """'on 2026-12-06 (job lf-lora, attempt 4)': when and where a fit was seen."""
+    import datetime
+
+    where = f"job {o.job}, attempt {o.attempt}" if o.job else f"attempt {o.attempt}"
+    if o.time < 1e9:  # no wall-clock time (a simulated or hand-made record)
+        return f"({where})"
+    day = datetime.datetime.fromtimestamp(o.time, datetime.timezone.utc).strftime("%Y-%m-%d")
+    return f"on {day} ({where})"
+
+
+def known_fit(ctx: JobContext, pred: Prediction, but: Candidate | None = None) -> tuple[Candidate, Observation] | None:
+    """The configuration last observed to fit for this kind (same effective batch, allowed by the
+    job's policy, still counted as fitting), other than `but`, with its newest fit."""
+    best: tuple[Candidate, Observation] | None = None
+    for c in pred.candidates:
+        if c.source != "observed" or not c.fits or (but is not None and c.overrides.fingerprint() == but.overrides.fingerprint()):
+            continue
+        sig = config_sig(memory_key(ctx, c.overrides), c.overrides)
+        fits = [o for o in pred.same_kind if o.outcome == "fit" and config_sig(o.key, o.overrides) == sig]
+        if fits:
+            o = max(fits, key=lambda o: o.time)
+            if best is None or (o.time, c.speed) > (best[1].time, best[0].speed):
+                best = (c, o)
+    return best
+
+
+def account(ctx: JobContext, policy: Policy, pred: Prediction, choice: Candidate) -> dict[str, Any]:
+    """What a learned start carries for its own OOM (fallback.learned_fallback): its label, the
+    configuration last seen to fit and when, and what learning added beyond the micro-batch split
+    (and the split without it), to be taken away first."""
+    out: dict[str, Any] = {"start": choice.label, "source": choice.source}
+    fit = known_fit(ctx, pred, but=choice)
+    if fit is not None:
+        c, o = fit
+        out.update(fallback=dataclasses.replace(c.overrides, learned=None).to_dict(), fallback_label=c.label,
+                   fallback_seen=_seen(o))
+    added = [r for r in choice.overrides.rungs if r != "micro_batch"]
+    if added:
+        v, user = R.view_of(ctx, choice.overrides), R.view_of(ctx, Overrides())
+        base = Overrides()
+        if v.micro != user.micro:
+            r = R.micro_batch(ctx, Overrides(), Diagnosis(Category.HOST_OOM, "learned plan"), policy, R.Memory(),
+                              target=v.micro)
+            base = r.overrides if isinstance(r, R.Applied) else base
+        out.update(added=added, without=base.to_dict())
+    return out
