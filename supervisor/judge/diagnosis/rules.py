@@ -276,6 +276,9 @@ _RULE_TRIGGERS = (
     "oss was", "oss has become", "oss went", "oss turned", "gradients detected", "gradient detected",
     "contains NaN", "contains infinity", "Inf found in input", "float NaN", "float infinity",
     "isnan(", "isinf(", "isfinite(", "isneginf(", "isposinf(",
+    # a script's check of its own settings, on a traceback's code line (families/checks.py)
+    "args.", "cfg.", "config.", "conf.", "opt.", "opts.", "hparams.", "hp.", "params.", "flags.", "FLAGS.", "options.",
+    "args[", "cfg[", "config[", "conf[", "opt[", "hparams[",
     "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
     # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",

@@ -91,3 +91,35 @@ def raised_at_config_frame(exc: str | None, func: str, path: str) -> bool:
     if exc is None or exc.rsplit(".", 1)[-1] not in FRAME_CARRIERS:
         return False
     return not _AUTO_RE.search(path) and bool(_CONFIG_PATH_RE.search(path) or _CONFIG_FUNC_RE.match(func))
+
+
+# A script checks its own arguments in two ways a traceback shows on the code line above the exception
+# (argparse's namespace `args`, a yacs/omegaconf/mmcv `cfg`/`config`, `opt`, `hparams`, on self too):
+# `assert args.x in (...)` / `raise ValueError(f"... {args.x}")`, and a lookup of a registry by a setting
+# (`MODELS[args.model]`, `cfg["key"]`) whose KeyError is the name the setting gave. Only in the user's own
+# code (not a library's): there a setting is the user's; in a library the same line is the library's state.
+_SETTINGS = r"(?:self\.)?(?:args|cfg|config|conf|opt|opts|hparams|hp|params|flags|FLAGS|options)"
+_CHECK_CODE_RE = re.compile(rf"^(?:assert\s+(?:not\s+)?\(?\s*{_SETTINGS}\.\w"
+                            rf"|raise \w+\(.*\b{_SETTINGS}\.\w)")
+_LOOKUP_CODE_RE = re.compile(rf"\w\[\s*{_SETTINGS}\.\w[\w.]*\s*\]|\b{_SETTINGS}\[\s*['\"]")
+_LIBRARY_PATH_RE = re.compile(r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python\d[\d.]*[/\\]")
+CODE_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "Exception", "RuntimeError"})
+
+
+def check_code(t: str) -> str | None:
+    """Which kind of settings check a traceback code line is ("check", "lookup"), if any."""
+    if t.startswith(("assert", "raise ")) and _CHECK_CODE_RE.search(t):
+        return "check"
+    if "[" in t and _LOOKUP_CODE_RE.search(t):
+        return "lookup"
+    return None
+
+
+def raised_by_check_code(exc: str | None, code: tuple[int | None, int, str], rank: int | None, line_no: int,
+                         path: str) -> bool:
+    """Whether an exception at `line_no` is raised by the settings check shown at `code` (rank, line, kind),
+    in the user's own code at `path` (a 3.11 caret line may sit between them)."""
+    if exc is None or code[0] != rank or not 0 < line_no - code[1] <= 2 or _LIBRARY_PATH_RE.search(path):
+        return False
+    short = exc.rsplit(".", 1)[-1]
+    return short == "KeyError" if code[2] == "lookup" else short in CODE_CARRIERS

@@ -133,6 +133,8 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
         if exc in checks.GRAMMAR_CARRIERS and checks.says_config_check(seg.exc_msg or t):
             hits.append(Hit("config_check", Category.CONFIG_ERROR, ROOT, "invalid_config", exc=seg.exc))
             return
+    elif checks.check_code(t):  # a traceback's code line: the scanner reads it with the exception under it
+        hits.append(Hit("config_check_code", Category.CONFIG_ERROR, HINT, checks.check_code(t) or ""))
     elif _CHECK_MENTION_RE.search(t):
         # Structural only as the final error of the log (conclude promotes a *_mention there).
         hits.append(Hit("config_check_mention", Category.CONFIG_ERROR, HINT, "invalid_config"))
