@@ -70,3 +70,31 @@ def test_a_single_report_does_not_outrank_an_oom() -> None:
            b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity"
            b" of 79.15 GiB of which 1.00 GiB is free.\n")
     assert diagnose_bytes(log).category is Category.GPU_OOM
+
+
+def _tb(path: str, func: str, exc_line: str) -> bytes:
+    return (f'Traceback (most recent call last):\n  File "/home/u/train.py", line 3, in <module>\n    main()\n'
+            f'  File "{path}", line 40, in {func}\n    raise X\n{exc_line}\n').encode()
+
+
+@pytest.mark.parametrize("log", [
+    # lightning/pytorch/utilities/finite_checks.py detect_nan_parameters
+    _tb("/x/lightning/pytorch/utilities/finite_checks.py", "detect_nan_parameters",
+        "ValueError: Detected nan and/or inf values in `encoder.weight`. Check your forward pass for numerically "
+        "unstable operations."),
+    # scipy/linalg/_basic.py via _asarray_validated(check_finite=True)
+    _tb("/x/scipy/_lib/_util.py", "_asarray_validated", "ValueError: array must not contain infs or NaNs"),
+    # numpy/linalg/linalg.py _assert_finite
+    _tb("/x/numpy/linalg/linalg.py", "_assert_finite", "numpy.linalg.LinAlgError: Array must not contain infs or NaNs"),
+], ids=["lightning_nan_parameters", "scipy_check_finite", "numpy_linalg_finite"])
+def test_libraries_refusing_nonfinite_numbers(log: bytes) -> None:
+    assert diagnose_bytes(log).category is Category.NUMERIC
+
+
+@pytest.mark.parametrize("line", [
+    b"step 40, loss: [nan]\n",  # Paddle/TF print a one-element array
+    b"Iteration 300, loss = -nan\n",  # C/C++ printf of a negative NaN (Caffe's solver)
+    b"epoch 3 | loss_rpn_cls: 0.0312 | loss_rpn_bbox: nan | acc: 0.98\n",  # a component non-finite, no total
+])
+def test_more_value_spellings(line: bytes) -> None:
+    assert diagnose_bytes(b"starting\n" + line).category is Category.NUMERIC

@@ -33,10 +33,10 @@ from supervisor.judge.diagnosis.wording import Root
 
 # A loss by any name a framework logs it under (decode.loss_seg, loss_cls, noise_step_loss, a logger path
 # train/loss or loss/train) or a grad norm, after `=`, `:` or only spaces, its value bare, quoted, or in
-# np.float32(...)/tensor(...).
+# np.float32(...)/tensor(...)/array(...)/[...] (Paddle, TF print arrays), C's printf sign (-nan).
 _LOSS_VALUE_RE = re.compile(
     r"""(?:^|[\s{,'"|(/\[])(?P<name>[\w.]*loss\w*(?:/\w+)*|grad_norm|grad norm|gnorm)['"]?(?:\s*[=:]\s*|\s+)['"]?"""
-    r"""(?:np\.float\d+\(|tensor\()?(?P<v>nan(?:\.0)?|[-+]?inf(?:inity)?|[-+]?\d[\d.e+-]*)(?![A-Za-z])""",
+    r"""(?:np\.float\d+\(|tensor\(|array\(|\[\s*)?(?P<v>[-+]?nan(?:\.0)?|[-+]?inf(?:inity)?|[-+]?\d[\d.e+-]*)(?![A-Za-z])""",
     re.IGNORECASE)
 # Settings that carry the word but are not a measured loss (DeepSpeed's loss_scale, a loss_weight).
 _NOT_A_LOSS_RE = re.compile(r"loss_?(?:scale|scaler|weight|coef|type|fn|func|name|mode)s?\b", re.IGNORECASE)
@@ -50,7 +50,7 @@ _NAN_SAID_RE = re.compile(r"[Ll]oss (?:is|became) (?:nan|NaN|inf)\b|Invalid loss
 
 
 def _bad(v: str) -> bool:
-    return v.startswith(("nan", "inf", "-inf", "+inf"))
+    return v.lstrip("+-").startswith(("nan", "inf"))
 
 
 def read_metrics(line: str) -> list[tuple[str, str]]:
@@ -84,7 +84,7 @@ def _scan(tail: list[tuple[int, str]]) -> tuple[list[tuple[int, str]], bool]:
             if any(_bad(v) for _, v in vals):
                 if names & finite_after:
                     break
-                loss_bad = loss_bad or (not bad and all(_bad(v) for _, v in vals))
+                loss_bad = loss_bad or (not bad and any(_bad(v) for name, v in vals if name not in _GRAD))
                 bad.append((n, raw))
                 bad_names |= names
             elif names & bad_names:
