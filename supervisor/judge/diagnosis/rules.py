@@ -282,7 +282,8 @@ _RULE_TRIGGERS = (
     "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
     # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",
-    "net_ib.cc:", "ibvwrap.cc:", "socketPollConnect",
+    "net_ib.cc:", "ibvwrap.cc:", "socketPollConnect", "waiting for clients", "monitoredBarrier", "HorovodInternalError",
+    "lost communication with a remote", "peer process has unexpectedly",
     "Max retries exceeded", "Failed to establish a new connection",  # families/environment.py
     "page fault", "PAGE_FAULT", "job_timedout", "GPU reset", "GPU fault detected", "AER:",  # kernel lines (kernel.py)
     "server socket", "resolve host", "ReadTimeout", "ConnectTimeout", "Read timed out",
