@@ -288,6 +288,7 @@ _RULE_TRIGGERS = (
     "page fault", "PAGE_FAULT", "job_timedout", "GPU reset", "GPU fault detected", "AER:",  # kernel lines (kernel.py)
     "server socket", "resolve host", "ReadTimeout", "ConnectTimeout", "Read timed out",
     "getaddrinfo failed", "specific connection error", "connect timeout=", "socket.timeout", "gaierror", "herror:",
+    "no space left", "Not enough disk space", "WinError 112", "enough space on the disk",
     ".tempstate", "write error: wrote", "EDQUOT", "os error 122", "errno = 28", "disk is full",  # families/disk.py
     "ChunkedEncoding", "Connection broken", "RemoteDisconnected", "Remote end closed", "ClientConnectorError",
     "Cannot connect to host", "ServerDisconnected", "ClientPayloadError", "CERTIFICATE_VERIFY_FAILED",
