@@ -54,3 +54,24 @@ def test_the_same_line_in_a_library_is_not_the_users_setting() -> None:
     d = diagnose_bytes(_tb("assert config.hidden_size % config.num_heads == 0", "AssertionError",
                            path="/usr/lib/python3.10/site-packages/somelib/layers.py"))
     assert d.category is Category.CRASH_OTHER, d.summary
+
+
+def _lib_tb(path: str, func: str, exc_line: str) -> bytes:
+    return (f'Traceback (most recent call last):\n  File "/home/u/train.py", line 3, in <module>\n    main()\n'
+            f'  File "{path}", line 40, in {func}\n    raise X\n{exc_line}\n').encode()
+
+
+@pytest.mark.parametrize("log", [
+    # timm/models/_factory.py create_model: raise RuntimeError('Unknown model (%s)' % model_name)
+    _lib_tb("/x/timm/models/_factory.py", "create_model", "RuntimeError: Unknown model (vit_base_patch16_225)"),
+    # a registry's KeyError that says what it checked, not only the key
+    _lib_tb("/home/u/project/datasets/__init__.py", "build_dataset",
+            "KeyError: \"dataset 'coco17' is not supported, choose from ['coco', 'voc']\""),
+], ids=["timm_unknown_model", "registry_keyerror_words"])
+def test_a_factory_refusing_the_name_given(log: bytes) -> None:
+    assert diagnose_bytes(log).category is Category.CONFIG_ERROR
+
+
+def test_a_bare_keyerror_stays_a_crash() -> None:
+    assert diagnose_bytes(_lib_tb("/home/u/project/data.py", "__getitem__", "KeyError: 'labels'")).category \
+        is Category.CRASH_OTHER

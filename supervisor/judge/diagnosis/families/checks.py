@@ -19,7 +19,10 @@ import re
 # Classes defined by a configuration library (its parser, its schema, its interpolation): the config.
 CONFIG_MODULE_RE = re.compile(r"^(?:omegaconf|hydra|yaml|ruamel\.yaml|jsonschema|pydantic|pydantic_core|toml|tomli"
                               r"|tomllib|jsonargparse|simple_parsing|ml_collections|gin|dacite|marshmallow)\.")
-GRAMMAR_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "RuntimeError", "Exception"})
+# A KeyError carries a registry's refusal in words ("dataset 'x' not found in the registry, choose from ...");
+# a bug's KeyError carries the bare key, which the grammar below does not read as a check.
+GRAMMAR_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "RuntimeError", "Exception",
+                              "KeyError"})
 
 # What was checked: a backticked or quoted name, a --flag, a snake_case option, or the words for one.
 _KEY = (r"(?:`[^`\s]{2,80}`|(?<![\w-])--?[A-Za-z][\w.-]+|'[A-Za-z_][\w.-]*'|\"[A-Za-z_][\w.-]*\"|\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b"
@@ -48,7 +51,10 @@ _REQUIRE = (r"(?:\b(?:must|should|has to|have to|needs? to)(?: not)? (?:be|have|
 _KIND_RE = re.compile(r"\b(?:[Uu]nknown|[Uu]nsupported|[Ii]nvalid|[Uu]nrecognized) (?:\w+ ){0,2}?"
                       r"(?:type|mode|value|option|argument|strategy|backend|scheduler|optimizer|model[_ ]type"
                       r"|precision|dtype|config(?:uration)?|choice|architecture|activation|loss(?:_type)?|template"
-                      r"|task|pooling|method|policy)s?\b(?!\s+code)")
+                      r"|task|pooling|method|policy"
+                      # a name the user picked from a factory (timm's create_model 'Unknown model (x)', a
+                      # script's dataset/backbone/metric choice)
+                      r"|model|dataset|backbone|arch|metric|network|criterion|sampler)s?\b(?!\s+code)")
 _GRAMMAR_RE = re.compile(rf"{_KEY}.{{0,120}}?{_REQUIRE}|{_REQUIRE}.{{0,60}}?{_KEY}", re.IGNORECASE)
 # A program's arithmetic, Python's own operations, torch's view of tensors: a bug, whatever else it says.
 _BUG_RE = re.compile(r"values to unpack|torch\.Size|(?<!\w)[Tt]ensors?\b|\w+Tensor\b|\bshapes?\b|\bdimension|\bdims?\b"
