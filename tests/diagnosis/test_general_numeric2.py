@@ -98,3 +98,23 @@ def test_libraries_refusing_nonfinite_numbers(log: bytes) -> None:
 ])
 def test_more_value_spellings(line: bytes) -> None:
     assert diagnose_bytes(b"starting\n" + line).category is Category.NUMERIC
+
+
+def test_zero_loss_beside_a_nonfinite_grad_norm() -> None:
+    """transformers' trainer.log: a run gone NaN logs 'loss': 0.0 with 'grad_norm': nan."""
+    log = b"{'loss': 1.2, 'grad_norm': 0.8, 'epoch': 0.1}\n{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 1e-05, 'epoch': 0.2}\n"
+    assert diagnose_bytes(log).category is Category.NUMERIC
+
+
+@pytest.mark.parametrize("printed", [
+    b"tensor([[nan, nan, nan, nan],\n        [nan, nan, nan, nan]], device='cuda:0', grad_fn=<AddmmBackward0>)\n",
+    b"[[nan nan nan nan]\n [nan nan nan nan]]\n",
+])
+def test_outputs_printed_all_nan_at_the_end(printed: bytes) -> None:
+    """torch's and numpy's reprs of a tensor whose every element is NaN, as the program's last words."""
+    assert diagnose_bytes(b"epoch 3 step 120\n" + printed).category is Category.NUMERIC
+
+
+def test_a_tensor_with_some_finite_elements_is_not_a_blow_up() -> None:
+    log = b"epoch 3 step 120\ntensor([[0.1000, nan, 0.3000],\n        [0.2000, 0.5000, 0.1000]], device='cuda:0')\n"
+    assert diagnose_bytes(log).category is not Category.NUMERIC

@@ -45,12 +45,22 @@ _MAIN = frozenset(("loss", "total_loss", "train_loss", "grad_norm", "grad norm",
 _GRAD = frozenset(("grad_norm", "grad norm", "gnorm"))
 # YOLOv5 train.py / ultralytics BaseTrainer: 'epoch/epochs', the memory in G, then the mean losses.
 _YOLO_ROW_RE = re.compile(r"^\s*\d+/\d+\s+[\d.]+G\s+(?P<losses>(?:\S+\s+){1,4}?)\d+\s+\d+\b")
+# A tensor or array the program printed whose elements are all NaN (torch's and numpy's reprs, at least
+# three): the model's outputs or weights have gone non-finite.
+_NAN_TENSOR_RE = re.compile(r"(?:tensor\(|array\(|^\s*)\[+\s*nan(?:,?\s+\[*nan\]*){2,}", re.IGNORECASE)
 NAN_TAIL_RUN = 2
 _NAN_SAID_RE = re.compile(r"[Ll]oss (?:is|became) (?:nan|NaN|inf)\b|Invalid loss, terminating training")
 
 
 def _bad(v: str) -> bool:
     return v.lstrip("+-").startswith(("nan", "inf"))
+
+
+def _zero(v: str) -> bool:
+    try:
+        return float(v) == 0.0
+    except ValueError:
+        return False
 
 
 def read_metrics(line: str) -> list[tuple[str, str]]:
@@ -76,6 +86,10 @@ def _scan(tail: list[tuple[int, str]]) -> tuple[list[tuple[int, str]], bool]:
             bad.append((n, raw))
             continue
         vals = read_metrics(raw)
+        if not vals and "nan" in raw and _NAN_TENSOR_RE.search(raw):
+            loss_bad = loss_bad or not bad
+            bad.append((n, raw))
+            continue
         main = [(name, v) for name, v in vals if name in _MAIN]
         if not main:
             # A multi-line step logs several losses apart: only the same loss finite on the other side
@@ -93,7 +107,8 @@ def _scan(tail: list[tuple[int, str]]) -> tuple[list[tuple[int, str]], bool]:
                 finite_after |= names
             continue
         if any(_bad(v) for _, v in main):
-            loss_bad = loss_bad or (not bad and any(_bad(v) for name, v in main if name not in _GRAD))
+            # a loss of exactly 0 beside a non-finite grad norm is the loss gone too (transformers logs it so)
+            loss_bad = loss_bad or (not bad and any(_bad(v) or _zero(v) for name, v in main if name not in _GRAD))
             bad.append((n, raw))
         else:
             break
