@@ -75,3 +75,14 @@ def test_a_factory_refusing_the_name_given(log: bytes) -> None:
 def test_a_bare_keyerror_stays_a_crash() -> None:
     assert diagnose_bytes(_lib_tb("/home/u/project/data.py", "__getitem__", "KeyError: 'labels'")).category \
         is Category.CRASH_OTHER
+
+
+def test_a_key_the_loaded_config_lacks() -> None:
+    """mmcv/utils/config.py ConfigDict.__getattr__: the KeyError re-raised as AttributeError; EasyDict the same."""
+    for cls in ("ConfigDict", "EasyDict"):
+        log = _lib_tb("/x/mmdet/apis/train.py", "train_detector",
+                      f"AttributeError: '{cls}' object has no attribute 'workflow'")
+        assert diagnose_bytes(log).category is Category.CONFIG_ERROR, cls
+    # any other object missing an attribute is a bug or a moved API
+    log = _lib_tb("/home/u/project/train.py", "main", "AttributeError: 'Namespace' object has no attribute 'workflow'")
+    assert diagnose_bytes(log).category is Category.CRASH_OTHER
