@@ -50,7 +50,6 @@ GPU OOM derived numbers:
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 
 from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, HostEvidence, Phase
@@ -58,6 +57,7 @@ from supervisor.judge.diagnosis import kernel, teardown
 from supervisor.judge.diagnosis.candidates import likely_categories
 from supervisor.judge.diagnosis.families import hang, relay
 from supervisor.judge.diagnosis.families.crash import _SIGKILL_RE
+from supervisor.judge.diagnosis.families.nan_tail import nan_tail_run
 from supervisor.judge.diagnosis.findings import Finding, ScanState
 from supervisor.judge.diagnosis.hits import COMM, CRASH, HINT, MARKER, ROOT, Hit
 from supervisor.judge.diagnosis.kernel import KERNEL_OOM_RE
@@ -187,12 +187,9 @@ def _final_error(state: ScanState, active: list[Finding]) -> list[Finding]:
 
 SCALE_RUN = 4  # overflows in a row, each lowering the loss scale further
 LOW_SCALE = 2.0  # DeepSpeed's default minimum is 1; a run that got here has nowhere left to go
-# A loss by any name a framework logs it under (decode.loss_seg, loss_cls, noise_step_loss) or a grad norm,
-# after `=`, `:` or only spaces (pytorch/examples' `| loss   nan | ppl   nan`, fairseq's `loss nan |`).
-_LOSS_VALUE_RE = re.compile(r"""(?:^|[\s{,'"|(/\[])(?P<name>[\w.]*loss\w*|grad_norm|grad norm|gnorm)['"]?(?:\s*[=:]\s*|\s+)['"]?"""
-                            r"""(?:np\.float\d+\(|tensor\()?(?P<v>nan|-?inf|[-+]?\d[\d.e+-]*)""", re.IGNORECASE)
-NAN_TAIL_RUN = 2
-_NAN_SAID_RE = re.compile(r"[Ll]oss (?:is|became) (?:nan|NaN|inf)\b|Invalid loss, terminating training")
+# A structural cause a single non-finite loss report may still come before (and explain): a crash the
+# NaN caused, or a numeric one; an OOM, a device fault or a config error is never outranked by one.
+_NAN_MAY_FOLLOW = (Category.CRASH_OTHER, Category.NUMERIC)
 
 
 def _scale_collapse(state: ScanState) -> Root | None:
@@ -209,44 +206,6 @@ def _scale_collapse(state: ScanState) -> Root | None:
                  line_no=run[3], text=text.strip()[:2000], rank=None, phase=Phase.TRAIN_STEP,
                  notes=[(f"{run[0]} gradient overflows in a row (lines {run[2]}-{run[3]}), the fp16 loss scale"
                         f" halving down to {run[1]:g}: every step was skipped")])
-
-
-def _nan_tail_run(state: ScanState) -> Root | None:
-    """The run's last logged losses are all NaN/Inf (at least NAN_TAIL_RUN, no finite loss after the
-    first of them): whatever ended it, it had stopped learning."""
-    bad: list[tuple[int, str]] = []
-    bad_names: set[str] = set()
-    finite_after: set[str] = set()
-    for n, raw in reversed(state.program_tail()):
-        if _NAN_SAID_RE.search(raw):  # the program's own "Loss is nan, stopping training"
-            bad.append((n, raw))
-            continue
-        vals = [(m.group("name").lower(), m.group("v").lower()) for m in _LOSS_VALUE_RE.finditer(raw)]
-        main = [v for name, v in vals if name in ("loss", "total_loss", "train_loss", "grad_norm", "grad norm", "gnorm")]
-        if not main:
-            # A multi-line step logs several losses apart: only the same loss finite on the other side
-            # of a NaN one (after: it recovered; before: the run of NaN starts there) ends the run.
-            names = {name for name, _ in vals}
-            if any(v in ("nan", "inf", "-inf") for _, v in vals):
-                if names & finite_after:
-                    break
-                bad.append((n, raw))
-                bad_names |= names
-            elif names & bad_names:
-                break
-            elif not bad:
-                finite_after |= names
-            continue
-        if any(v in ("nan", "inf", "-inf") for v in main):
-            bad.append((n, raw))
-        else:
-            break
-    if len(bad) < NAN_TAIL_RUN:
-        return None
-    last, text = bad[0]
-    return Root(hit=Hit("nan_loss_run", Category.NUMERIC, ROOT, "nan_loss"), line_no=last,
-                 text=text.strip()[:2000], rank=None, phase=Phase.TRAIN_STEP,
-                 notes=[f"the last {len(bad)} logged losses are NaN/Inf (lines {bad[-1][0]}-{last}), none finite after"])
 
 
 def _pick(findings: list[Finding], tier: int) -> Finding | None:
@@ -374,7 +333,7 @@ def _weigh(c: _Case) -> Diagnosis | None:
         collapse = _scale_collapse(state)
         if collapse is not None:
             candidates.append(collapse)
-    nan_run = _nan_tail_run(state)
+    nan_run = nan_tail_run(state.program_tail(), first is None or first.hit.category in _NAN_MAY_FOLLOW)
     if nan_run is not None:
         candidates.append(nan_run)
     c.root = _choose(candidates, _host_root(c), _kernel_root(host, state))

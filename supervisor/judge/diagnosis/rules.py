@@ -276,14 +276,19 @@ _RULE_TRIGGERS = (
     "oss was", "oss has become", "oss went", "oss turned", "gradients detected", "gradient detected",
     "contains NaN", "contains infinity", "Inf found in input", "float NaN", "float infinity",
     "isnan(", "isinf(", "isfinite(", "isneginf(", "isposinf(",
+    # a script's check of its own settings, on a traceback's code line (families/checks.py)
+    "args.", "cfg.", "config.", "conf.", "opt.", "opts.", "hparams.", "hp.", "params.", "flags.", "FLAGS.", "options.",
+    "args[", "cfg[", "config[", "conf[", "opt[", "hparams[",
     "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
     # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",
-    "net_ib.cc:", "ibvwrap.cc:", "socketPollConnect",
+    "net_ib.cc:", "ibvwrap.cc:", "socketPollConnect", "waiting for clients", "monitoredBarrier", "HorovodInternalError",
+    "lost communication with a remote", "peer process has unexpectedly",
     "Max retries exceeded", "Failed to establish a new connection",  # families/environment.py
     "page fault", "PAGE_FAULT", "job_timedout", "GPU reset", "GPU fault detected", "AER:",  # kernel lines (kernel.py)
     "server socket", "resolve host", "ReadTimeout", "ConnectTimeout", "Read timed out",
     "getaddrinfo failed", "specific connection error", "connect timeout=", "socket.timeout", "gaierror", "herror:",
+    "no space left", "Not enough disk space", "WinError 112", "enough space on the disk",
     ".tempstate", "write error: wrote", "EDQUOT", "os error 122", "errno = 28", "disk is full",  # families/disk.py
     "ChunkedEncoding", "Connection broken", "RemoteDisconnected", "Remote end closed", "ClientConnectorError",
     "Cannot connect to host", "ServerDisconnected", "ClientPayloadError", "CERTIFICATE_VERIFY_FAILED",

@@ -94,6 +94,7 @@ class LogScanner(StreamReading, ProgressReading):
         self._rs = 0  # start of the buffer region being read (bounds backward searches)
         self._torchrun_rank: int | None = None
         self._nan_assert: tuple[int | None, int] | None = None  # (rank, line) of `assert not isnan(...)` code
+        self._check_code: tuple[int | None, int, str] | None = None  # (rank, line, kind) of `assert args.x ...`
         self._min_scale_overflows = 0
         self._flushed = False
         self._tb_phases: dict[int | None, set[Phase]] = {}  # phases named by ANY frame of the open traceback
@@ -506,6 +507,9 @@ class LogScanner(StreamReading, ProgressReading):
         if hit.rule == "nan_assert_code":  # a traceback's code line: read with the exception under it
             self._nan_assert = (seg.rank, line_no)
             return
+        if hit.rule == "config_check_code":
+            self._check_code = (seg.rank, line_no, hit.subkind)
+            return
         if (hit.rule == "python_exception" and structural and self._nan_assert is not None
                 and numeric.raised_by_finite_assert(hit.exc, self._nan_assert, seg.rank, line_no)):
             hit = Hit("nan_detected", Category.NUMERIC, rules.ROOT, "nan_detected", exc=hit.exc)
@@ -529,6 +533,9 @@ class LogScanner(StreamReading, ProgressReading):
                     _CONFIG_FRAME_RE.search(frames[-1][1]) or checks.raised_at_config_frame(hit.exc, *frames[-1])):
                 # Raised while the arguments were parsed or validated (LLaMA-Factory's parser, HfArgumentParser).
                 hit = Hit("invalid_arguments", Category.CONFIG_ERROR, rules.ROOT, "invalid_arguments", exc=hit.exc)
+            elif hit.rule == "python_exception" and structural and self._check_code is not None and (
+                    checks.raised_by_check_code(hit.exc, self._check_code, seg.rank, line_no, frames[-1][1])):
+                hit = Hit("config_check", Category.CONFIG_ERROR, rules.ROOT, "invalid_config", exc=hit.exc)
             elif hit.rule == "python_exception" and structural:
                 hit = network_frame(hit.exc, frames[-1][1]) or hit
             if "deepspeed/runtime/zero" in paths or "deepspeed/runtime/swap_tensor" in paths:

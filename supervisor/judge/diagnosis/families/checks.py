@@ -19,7 +19,10 @@ import re
 # Classes defined by a configuration library (its parser, its schema, its interpolation): the config.
 CONFIG_MODULE_RE = re.compile(r"^(?:omegaconf|hydra|yaml|ruamel\.yaml|jsonschema|pydantic|pydantic_core|toml|tomli"
                               r"|tomllib|jsonargparse|simple_parsing|ml_collections|gin|dacite|marshmallow)\.")
-GRAMMAR_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "RuntimeError", "Exception"})
+# A KeyError carries a registry's refusal in words ("dataset 'x' not found in the registry, choose from ...");
+# a bug's KeyError carries the bare key, which the grammar below does not read as a check.
+GRAMMAR_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "RuntimeError", "Exception",
+                              "KeyError"})
 
 # What was checked: a backticked or quoted name, a --flag, a snake_case option, or the words for one.
 _KEY = (r"(?:`[^`\s]{2,80}`|(?<![\w-])--?[A-Za-z][\w.-]+|'[A-Za-z_][\w.-]*'|\"[A-Za-z_][\w.-]*\"|\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b"
@@ -48,7 +51,10 @@ _REQUIRE = (r"(?:\b(?:must|should|has to|have to|needs? to)(?: not)? (?:be|have|
 _KIND_RE = re.compile(r"\b(?:[Uu]nknown|[Uu]nsupported|[Ii]nvalid|[Uu]nrecognized) (?:\w+ ){0,2}?"
                       r"(?:type|mode|value|option|argument|strategy|backend|scheduler|optimizer|model[_ ]type"
                       r"|precision|dtype|config(?:uration)?|choice|architecture|activation|loss(?:_type)?|template"
-                      r"|task|pooling|method|policy)s?\b(?!\s+code)")
+                      r"|task|pooling|method|policy"
+                      # a name the user picked from a factory (timm's create_model 'Unknown model (x)', a
+                      # script's dataset/backbone/metric choice)
+                      r"|model|dataset|backbone|arch|metric|network|criterion|sampler)s?\b(?!\s+code)")
 _GRAMMAR_RE = re.compile(rf"{_KEY}.{{0,120}}?{_REQUIRE}|{_REQUIRE}.{{0,60}}?{_KEY}", re.IGNORECASE)
 # A program's arithmetic, Python's own operations, torch's view of tensors: a bug, whatever else it says.
 _BUG_RE = re.compile(r"values to unpack|torch\.Size|(?<!\w)[Tt]ensors?\b|\w+Tensor\b|\bshapes?\b|\bdimension|\bdims?\b"
@@ -91,3 +97,35 @@ def raised_at_config_frame(exc: str | None, func: str, path: str) -> bool:
     if exc is None or exc.rsplit(".", 1)[-1] not in FRAME_CARRIERS:
         return False
     return not _AUTO_RE.search(path) and bool(_CONFIG_PATH_RE.search(path) or _CONFIG_FUNC_RE.match(func))
+
+
+# A script checks its own arguments in two ways a traceback shows on the code line above the exception
+# (argparse's namespace `args`, a yacs/omegaconf/mmcv `cfg`/`config`, `opt`, `hparams`, on self too):
+# `assert args.x in (...)` / `raise ValueError(f"... {args.x}")`, and a lookup of a registry by a setting
+# (`MODELS[args.model]`, `cfg["key"]`) whose KeyError is the name the setting gave. Only in the user's own
+# code (not a library's): there a setting is the user's; in a library the same line is the library's state.
+_SETTINGS = r"(?:self\.)?(?:args|cfg|config|conf|opt|opts|hparams|hp|params|flags|FLAGS|options)"
+_CHECK_CODE_RE = re.compile(rf"^(?:assert\s+(?:not\s+)?\(?\s*{_SETTINGS}\.\w"
+                            rf"|raise \w+\(.*\b{_SETTINGS}\.\w)")
+_LOOKUP_CODE_RE = re.compile(rf"\w\[\s*{_SETTINGS}\.\w[\w.]*\s*\]|\b{_SETTINGS}\[\s*['\"]")
+_LIBRARY_PATH_RE = re.compile(r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python\d[\d.]*[/\\]")
+CODE_CARRIERS = frozenset({"ValueError", "AssertionError", "NotImplementedError", "Exception", "RuntimeError"})
+
+
+def check_code(t: str) -> str | None:
+    """Which kind of settings check a traceback code line is ("check", "lookup"), if any."""
+    if t.startswith(("assert", "raise ")) and _CHECK_CODE_RE.search(t):
+        return "check"
+    if "[" in t and _LOOKUP_CODE_RE.search(t):
+        return "lookup"
+    return None
+
+
+def raised_by_check_code(exc: str | None, code: tuple[int | None, int, str], rank: int | None, line_no: int,
+                         path: str) -> bool:
+    """Whether an exception at `line_no` is raised by the settings check shown at `code` (rank, line, kind),
+    in the user's own code at `path` (a 3.11 caret line may sit between them)."""
+    if exc is None or code[0] != rank or not 0 < line_no - code[1] <= 2 or _LIBRARY_PATH_RE.search(path):
+        return False
+    short = exc.rsplit(".", 1)[-1]
+    return short == "KeyError" if code[2] == "lookup" else short in CODE_CARRIERS

@@ -37,6 +37,13 @@ _SOCKET_RE = re.compile(
     # gloo's TCP pair lost its peer (the other rank died or the link dropped)
     r"|gloo\S*.*(?:Connection closed by peer|Connection reset by peer|Connection refused|Timed out waiting \d+ms)"
     r"|\[c10d\].*server socket has failed to (?:listen|bind)"
+    # c10d's TCPStore server giving up on the ranks that never joined (N-1/N: one rank never came);
+    # ProcessGroupGloo's monitoredBarrier naming the rank that did not arrive
+    r"|Timed out after \d+ seconds waiting for clients|failed to pass monitoredBarrier"
+    r"|successfully reached monitoredBarrier, but received errors"
+    # horovod/common/exceptions.py: a collective (allreduce, ...) failed; Open MPI's runtime lost a peer
+    r"|HorovodInternalError|ORTE has lost communication with a remote daemon"
+    r"|MPI communication peer process has unexpectedly disconnected"
 )
 # NCCL/RCCL's own network failures, said by their WARN lines (socket, bootstrap, IB verbs, proxy
 # connect) or, when no WARN was printed, by the error codes a failed call returns up the stack

@@ -100,6 +100,11 @@ _CHECK_MENTION_RE = re.compile(r"size mismatch for \S+: copying a param with sha
                                r"|^(?:the shape in )?current\s*(?:model is )?torch\.Size\(|^model is torch\.Size\(")
 
 
+# A key the config file lacks, read as an attribute of the loaded config: mmcv/mmengine's ConfigDict.__getattr__
+# re-raises the KeyError as "'ConfigDict' object has no attribute 'x'", and so do EasyDict/AttrDict configs.
+_CONFIG_OBJECT_ATTR_RE = re.compile(r"'(?:ConfigDict|EasyDict|AttrDict|CfgNode|Config)' object has no attribute '")
+
+
 # A class a framework raises only for its configuration or arguments (allennlp's ConfigurationError,
 # argparse's ArgumentError, click's BadParameter, hydra's InstantiationException, any *ConfigError).
 _CHECK_CLASS_RE = re.compile(r"^(?:[A-Z]\w*)?(?:Config|Configuration)(?:Validation)?(?:Error|Exception)$"
@@ -130,9 +135,14 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
                 if rx.search(t):
                     hits.append(Hit(name, Category.CONFIG_ERROR, ROOT, name, exc=seg.exc))
                     return
+        if exc == "AttributeError" and _CONFIG_OBJECT_ATTR_RE.search(t):
+            hits.append(Hit("config_missing_key", Category.CONFIG_ERROR, ROOT, "invalid_config", exc=seg.exc))
+            return
         if exc in checks.GRAMMAR_CARRIERS and checks.says_config_check(seg.exc_msg or t):
             hits.append(Hit("config_check", Category.CONFIG_ERROR, ROOT, "invalid_config", exc=seg.exc))
             return
+    elif checks.check_code(t):  # a traceback's code line: the scanner reads it with the exception under it
+        hits.append(Hit("config_check_code", Category.CONFIG_ERROR, HINT, checks.check_code(t) or ""))
     elif _CHECK_MENTION_RE.search(t):
         # Structural only as the final error of the log (conclude promotes a *_mention there).
         hits.append(Hit("config_check_mention", Category.CONFIG_ERROR, HINT, "invalid_config"))

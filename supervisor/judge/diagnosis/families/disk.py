@@ -9,7 +9,10 @@ from supervisor.judge.diagnosis.hits import ROOT, Hit, Segment
 
 # --- disk -----------------------------------------------------------------
 _DISK_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("no_space", re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|os error 28|StorageFull"
+    ("no_space", re.compile(r"[Nn]o space left on device|\[Errno 28\]|\bENOSPC\b|os error 28|StorageFull"
+                            # Go's syscall text (docker, containerd) is lower-case; HF datasets' builder.py checks
+                            # the room before it writes; Windows' ERROR_DISK_FULL (WinError 112)
+                            r"|Not enough disk space\. Needed:|\[WinError 112\]|not enough space on the disk"
                             # TF maps ENOSPC/EDQUOT on a write to RESOURCE_EXHAUSTED (platform/errors.cc
                             # IOError); its saver writes a bundle to a `<prefix>.tempstate<N>` file
                             r"|(?:ResourceExhausted\w*|Resource exhausted): \S*\.tempstate\d+"

@@ -27,6 +27,9 @@ _NAN_DETECTED_RE = re.compile(
     # Python's int() of a NaN/inf loss or step count
     r"|\bInput (?:\w+ )?contains (?:NaN|infinity)|NaN or Inf found in input tensor"
     r"|cannot convert float (?:NaN|infinity) to integer"
+    # Lightning's detect_nan_parameters (utilities/finite_checks.py); scipy's _asarray_validated and
+    # numpy.linalg's _assert_finite refusing NaN/inf input
+    r"|Detected nan and/or inf values in|[Aa]rray must not contain infs or NaNs"
 )
 # Classes only a non-finite number raises: numpy's seterr and every trainer built on it (fairseq,
 # detectron2), TensorFlow's NanLossDuringTrainingError.
