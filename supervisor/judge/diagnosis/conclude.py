@@ -565,11 +565,12 @@ def _refine(first: Finding | None, active: list[Finding]) -> Finding | None:
     """A generic exception (tier 3) that ended a traceback, just after a library's own out-of-memory
     message on the same rank (MIOpen, rocBLAS, NCCL print theirs, then raise a vague error): the
     exception is the structural fact, the message the detail. Only OOM kinds (remedies, not
-    verdicts that end the job) are taken from such text."""
-    if first is None or first.tier != CRASH:
+    verdicts that end the job) are taken from such text; after an NCCL error ("unhandled cuda error": a
+    CUDA call inside NCCL failed, its WARN line says which), only an OOM."""
+    if first is None or first.tier not in (COMM, CRASH):
         return first
     near = [f for f in active if not f.structural and f.tier == ROOT
-            and f.category in (Category.GPU_OOM, Category.HOST_OOM, Category.DISK_FULL)
+            and f.category in (Category.GPU_OOM, Category.HOST_OOM, *((Category.DISK_FULL,) * (first.tier == CRASH)))
             and f.rank in (first.rank, None) and 0 <= first.line_no - f.line_no <= REFINE_WINDOW]
     if not near:
         return first
