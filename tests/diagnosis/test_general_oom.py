@@ -142,3 +142,16 @@ def test_an_nccl_error_alone_stays_a_comm_failure():
     log = _tb("torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:121,"
               " unhandled system error, NCCL version 2.18.1")
     assert diagnose_bytes(log, None).category is Category.COMM_FAILURE
+
+
+def test_a_collective_failing_after_another_ranks_oom_line_is_that_oom():
+    """The ranks that wait in a collective for the one that ran out fail with the comm error; the OOM,
+    printed without its traceback on its own rank just above, is the cause (OOM kinds only)."""
+    log = (b"[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total"
+           b" capacity of 79.15 GiB of which 1.00 GiB is free.\n"
+           b"[rank0]:[E ProcessGroupNCCL.cpp:1316] [PG 0 Rank 0] Watchdog caught collective operation timeout:"
+           b" WorkNCCL(SeqNum=5, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.\n"
+           b'[rank0]: Traceback (most recent call last):\n[rank0]:   File "train.py", line 9, in <module>\n'
+           b"[rank0]:     dist.all_reduce(t)\n"
+           b"[rank0]: torch.distributed.DistBackendError: NCCL communicator was aborted on rank 0.\n")
+    assert diagnose_bytes(log, None).category is Category.GPU_OOM

@@ -566,12 +566,13 @@ def _refine(first: Finding | None, active: list[Finding]) -> Finding | None:
     message on the same rank (MIOpen, rocBLAS, NCCL print theirs, then raise a vague error): the
     exception is the structural fact, the message the detail. Only OOM kinds (remedies, not
     verdicts that end the job) are taken from such text; after an NCCL error ("unhandled cuda error": a
-    CUDA call inside NCCL failed, its WARN line says which), only an OOM."""
+    CUDA call inside NCCL failed, its WARN line says which; a collective fails on the ranks that wait
+    for the one that ran out), only an OOM, on any rank."""
     if first is None or first.tier not in (COMM, CRASH):
         return first
     near = [f for f in active if not f.structural and f.tier == ROOT
             and f.category in (Category.GPU_OOM, Category.HOST_OOM, *((Category.DISK_FULL,) * (first.tier == CRASH)))
-            and f.rank in (first.rank, None) and 0 <= first.line_no - f.line_no <= REFINE_WINDOW]
+            and (f.rank in (first.rank, None) or first.tier == COMM) and 0 <= first.line_no - f.line_no <= REFINE_WINDOW]
     if not near:
         return first
     f = max(near, key=lambda f: (f.line_no, f.seq))
