@@ -97,8 +97,10 @@ def test_host_memory_in_other_words_is_host_oom(exc):
 
 
 def test_not_memory_capacity_stays_a_crash():
-    # glibc's dlopen: static TLS, not memory; Triton: a kernel's launch configuration
+    # glibc's dlopen: static TLS, not memory; cuDNN: the workspace the caller passed is too small (an API
+    # contract, cudnn's CUDNN_STATUS_NOT_ENOUGH_WORKSPACE); Triton: a kernel's launch configuration
     for exc in ("ImportError: /lib/aarch64-linux-gnu/libgomp.so.1: cannot allocate memory in static TLS block",
+                "RuntimeError: cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
                 ("triton.runtime.errors.OutOfResources: out of resource: shared memory, Required: 98304,"
                  " Hardware limit: 65536.")):
         assert diagnose_bytes(_tb(exc), None).category is Category.CRASH_OTHER, exc
@@ -155,3 +157,10 @@ def test_a_collective_failing_after_another_ranks_oom_line_is_that_oom():
            b"[rank0]:     dist.all_reduce(t)\n"
            b"[rank0]: torch.distributed.DistBackendError: NCCL communicator was aborted on rank 0.\n")
     assert diagnose_bytes(log, None).category is Category.GPU_OOM
+
+
+def test_tensorflows_cpu_oom_stays_host():
+    # tensorflow: "OOM when allocating tensor with shape[...] ... by allocator cpu" raised as ResourceExhaustedError
+    exc = ("tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor with"
+           " shape[1024,1024,1024] and type float on /job:localhost/replica:0/task:0/device:CPU:0 by allocator cpu")
+    assert diagnose_bytes(_tb(exc), None).category is Category.HOST_OOM

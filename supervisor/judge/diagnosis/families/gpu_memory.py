@@ -306,7 +306,7 @@ def _more_dialects(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: 
     """The runtimes' own words beyond PyTorch's allocator (see _MORE_GPU_OOM_RE): a root cause where
     they are said, structural where the log's structure makes them so (an exception line, its message,
     the last error); a vendor-named "X out of memory" only as an exception line."""
-    if any(h.category is Category.GPU_OOM for h in hits):
+    if any(h.category in (Category.GPU_OOM, Category.HOST_OOM) for h in hits):
         return
     m = _MORE_GPU_OOM_RE.search(t)
     if m:
