@@ -106,3 +106,18 @@ def test_a_build_tools_failure_stays_a_crash():
            b" line 2100, in _run_ninja_build\n    subprocess.run(\n"
            b"subprocess.CalledProcessError: Command '['ninja', '-v']' returned non-zero exit status 1.\n")
     assert diagnose_bytes(log, None).category is Category.CRASH_OTHER
+
+
+def _bar(n: int) -> bytes:
+    return b"%3d%%|#         | %d/100 [00:01<00:19,  5.00it/s]\n" % (n, n)
+
+
+def test_an_exception_line_the_program_went_on_from_is_not_what_ended_it():
+    """Printed outside a traceback and followed by training that advanced: the program logged it and went on
+    (like a hub retry). With nothing else, the end is unknown, not a guessed crash."""
+    log = _bar(1) + _bar(2) + b"ValueError: could not parse header, skipping\n" + _bar(3) + _bar(4)
+    d = diagnose_bytes(log, None)
+    assert d.category is Category.UNKNOWN, d.summary
+    # the same line as the log's last words is still read
+    assert diagnose_bytes(_bar(1) + _bar(2) + b"ValueError: could not parse header\n", None).category \
+        is Category.CRASH_OTHER

@@ -482,14 +482,15 @@ _BY_SIGNAL = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", 
 
 
 # Retried kinds read from text alone: training that advanced after the line shows it was survived
-# (a hub request that fell back to the cache, a connect NCCL retried): not what ended the run.
+# (a hub request that fell back to the cache, a connect NCCL retried, an exception a program logged
+# and went on from): not what ended the run.
 _SURVIVABLE_TEXT = (Category.ENVIRONMENT, Category.COMM_FAILURE)
 
 
 def _signal_or_hint(c: _Case) -> Diagnosis | None:
     after = c.state.last_advance_line
-    hint = _pick_hint([f for f in c.active if f.structural or f.category not in _SURVIVABLE_TEXT
-                       or f.line_no >= after])
+    hint = _pick_hint([f for f in c.active if f.structural or f.line_no >= after
+                       or (f.category not in _SURVIVABLE_TEXT and f.rule != "python_exception")])
     if c.signal in _BY_SIGNAL and (hint is None or hint.tier not in (ROOT, COMM)):
         return plain(Category.CRASH_OTHER, _BY_SIGNAL[c.signal],
                      f"Ended by {c.signal} with no recognised error in the log.", c.state, tail_evidence(c.state))
