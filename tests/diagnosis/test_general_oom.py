@@ -164,3 +164,22 @@ def test_tensorflows_cpu_oom_stays_host():
     exc = ("tensorflow.python.framework.errors_impl.ResourceExhaustedError: OOM when allocating tensor with"
            " shape[1024,1024,1024] and type float on /job:localhost/replica:0/task:0/device:CPU:0 by allocator cpu")
     assert diagnose_bytes(_tb(exc), None).category is Category.HOST_OOM
+
+
+@pytest.mark.parametrize("line", [
+    # slurm src/slurmd/slurmstepd (task/cgroup): "Detected %u oom-kill event(s) in %ps. Some of your processes may
+    # have been killed by the cgroup out-of-memory handler."
+    ("slurmstepd: error: Detected 1 oom-kill event(s) in StepId=1234.batch. Some of your processes may have been"
+     " killed by the cgroup out-of-memory handler."),
+    # srun's report of the step's state (JOB_OOM: "Out Of Memory")
+    "srun: error: node12: task 0: Out Of Memory",
+    # Kubernetes' container status; YARN's ContainersMonitorImpl; the Go runtime's throw; bash's fork with ENOMEM
+    "      Reason:       OOMKilled",
+    ("Container [pid=1234,containerID=container_1] is running beyond physical memory limits. Current usage: 8.1 GB"
+     " of 8 GB physical memory used; Killing container."),
+    "fatal error: runtime: out of memory",
+    "bash: fork: Cannot allocate memory",
+])
+def test_a_scheduler_or_runtime_saying_host_memory_ran_out_is_host_oom(line):
+    d = diagnose_bytes(b"step 1\n" + line.encode() + b"\n", None)
+    assert d.category is Category.HOST_OOM, (line, d.summary)

@@ -295,6 +295,7 @@ _RULE_TRIGGERS = (
     "Not enough memory", "Requested amount of GPU memory", "retval=2", "MEMORY_ALLOCATION", "EL0004",
     "metal::malloc", "OUT_OF_DEVICE_MEMORY", "OutOfDeviceMemory", "Device memory allocation", "out_of_memory",
     "requested buffer", "ran out of memory", "Ran out of memory", "paging file", "Not enough space",
+    "Out Of Memory", "OOMKilled", "beyond physical memory", "Cannot allocate memory",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 
