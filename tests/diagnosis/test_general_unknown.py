@@ -68,3 +68,56 @@ def test_the_childs_own_error_still_decides():
     assert diagnose_bytes(child + ELASTIC, None).category is Category.CRASH_OTHER
     assert diagnose_bytes(b"Fatal Python error: Segmentation fault\n" + ELASTIC, None).category \
         is Category.CRASH_OTHER
+
+
+# accelerate/commands/launch.py simple_launcher: `raise subprocess.CalledProcessError(returncode=process.returncode,
+# cmd=cmd)` (the shape of bench r7 unknown_sd_scripts_flux_db_save_died_sigkill, kohya-ss/sd-scripts): the parent's
+# report that the interpreter it ran exited non-zero, not the child's error.
+ACCELERATE = (
+    b"Traceback (most recent call last):\n"
+    b'  File "/env/bin/accelerate", line 8, in <module>\n'
+    b"    sys.exit(main())\n"
+    b'  File "/env/lib/python3.10/site-packages/accelerate/commands/launch.py", line 703, in simple_launcher\n'
+    b"    raise subprocess.CalledProcessError(returncode=process.returncode, cmd=cmd)\n"
+    b"subprocess.CalledProcessError: Command '['/env/bin/python', 'train.py', '--config_file', 'c.toml']' returned"
+    b" non-zero exit status 1.\n"
+)
+# ray/exceptions.py: RayActorError / WorkerCrashedError: a worker process died; the why is elsewhere (or nowhere).
+RAY = b"step 5\nray.exceptions.RayActorError: The actor died unexpectedly before finishing this task.\n"
+
+
+def test_a_launchers_report_of_a_nonzero_exit_is_unknown():
+    for log in (ACCELERATE, RAY, (b"step 5\nray.exceptions.WorkerCrashedError: The worker died unexpectedly while"
+                                  b" executing this task.\n")):
+        for exit in (None, ExitRecord(returncode=1)):
+            d = diagnose_bytes(log, exit)
+            assert d.category is Category.UNKNOWN, d.summary
+
+
+def test_the_childs_own_error_before_the_launchers_report_still_decides():
+    child = (b'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+             b"ValueError: bad shape\n")
+    assert diagnose_bytes(child + ACCELERATE, ExitRecord(returncode=1)).category is Category.CRASH_OTHER
+
+
+def test_a_build_tools_failure_stays_a_crash():
+    # torch/utils/cpp_extension.py _run_ninja_build: the tool's own output says what failed
+    log = (b'Traceback (most recent call last):\n  File "/env/lib/python3.10/site-packages/torch/utils/cpp_extension.py",'
+           b" line 2100, in _run_ninja_build\n    subprocess.run(\n"
+           b"subprocess.CalledProcessError: Command '['ninja', '-v']' returned non-zero exit status 1.\n")
+    assert diagnose_bytes(log, None).category is Category.CRASH_OTHER
+
+
+def _bar(n: int) -> bytes:
+    return b"%3d%%|#         | %d/100 [00:01<00:19,  5.00it/s]\n" % (n, n)
+
+
+def test_an_exception_line_the_program_went_on_from_is_not_what_ended_it():
+    """Printed outside a traceback and followed by training that advanced: the program logged it and went on
+    (like a hub retry). With nothing else, the end is unknown, not a guessed crash."""
+    log = _bar(1) + _bar(2) + b"ValueError: could not parse header, skipping\n" + _bar(3) + _bar(4)
+    d = diagnose_bytes(log, None)
+    assert d.category is Category.UNKNOWN, d.summary
+    # the same line as the log's last words is still read
+    assert diagnose_bytes(_bar(1) + _bar(2) + b"ValueError: could not parse header\n", None).category \
+        is Category.CRASH_OTHER

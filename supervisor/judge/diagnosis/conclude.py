@@ -441,14 +441,15 @@ _BY_SIGNAL = {"SIGSEGV": "segfault", "SIGABRT": "abort", "SIGBUS": "bus_error", 
 
 
 # Retried kinds read from text alone: training that advanced after the line shows it was survived
-# (a hub request that fell back to the cache, a connect NCCL retried): not what ended the run.
+# (a hub request that fell back to the cache, a connect NCCL retried, an exception a program logged
+# and went on from): not what ended the run.
 _SURVIVABLE_TEXT = (Category.ENVIRONMENT, Category.COMM_FAILURE)
 
 
 def _signal_or_hint(c: _Case) -> Diagnosis | None:
     after = c.state.last_advance_line
-    hint = _pick_hint([f for f in c.active if f.structural or f.category not in _SURVIVABLE_TEXT
-                       or f.line_no >= after])
+    hint = _pick_hint([f for f in c.active if f.structural or f.line_no >= after
+                       or (f.category not in _SURVIVABLE_TEXT and f.rule != "python_exception")])
     if c.signal in _BY_SIGNAL and (hint is None or hint.tier not in (ROOT, COMM)):
         return plain(Category.CRASH_OTHER, _BY_SIGNAL[c.signal],
                      f"Ended by {c.signal} with no recognised error in the log.", c.state, tail_evidence(c.state))
@@ -524,12 +525,14 @@ def _refine(first: Finding | None, active: list[Finding]) -> Finding | None:
     """A generic exception (tier 3) that ended a traceback, just after a library's own out-of-memory
     message on the same rank (MIOpen, rocBLAS, NCCL print theirs, then raise a vague error): the
     exception is the structural fact, the message the detail. Only OOM kinds (remedies, not
-    verdicts that end the job) are taken from such text."""
-    if first is None or first.tier != CRASH:
+    verdicts that end the job) are taken from such text; after an NCCL error ("unhandled cuda error": a
+    CUDA call inside NCCL failed, its WARN line says which; a collective fails on the ranks that wait
+    for the one that ran out), only an OOM, on any rank."""
+    if first is None or first.tier not in (COMM, CRASH):
         return first
     near = [f for f in active if not f.structural and f.tier == ROOT
-            and f.category in (Category.GPU_OOM, Category.HOST_OOM, Category.DISK_FULL)
-            and f.rank in (first.rank, None) and 0 <= first.line_no - f.line_no <= REFINE_WINDOW]
+            and f.category in (Category.GPU_OOM, Category.HOST_OOM, *((Category.DISK_FULL,) * (first.tier == CRASH)))
+            and (f.rank in (first.rank, None) or first.tier == COMM) and 0 <= first.line_no - f.line_no <= REFINE_WINDOW]
     if not near:
         return first
     f = max(near, key=lambda f: (f.line_no, f.seq))

@@ -295,6 +295,12 @@ _RULE_TRIGGERS = (
     "ILLEGAL_ADDRESS", "LAUNCH_FAILED", "ECC_UNCORRECTABLE", "ECCUncorrectable", "NVLink error", "NVLINK_UNCORRECTABLE",
     "MISALIGNED_ADDRESS", "ILLEGAL_INSTRUCTION", "HARDWARE_STACK_ERROR", "INVALID_PC", "hardware stack error",
     "invalid program counter",
+    # device memory in other runtimes' words (families/gpu_memory.py _MORE_GPU_OOM_RE)
+    "ALLOCATION_FAILED", "CUDA calloc", "Dst tensor is not initialized", "no enough memory",
+    "Not enough memory", "Requested amount of GPU memory", "retval=2", "MEMORY_ALLOCATION", "EL0004",
+    "metal::malloc", "OUT_OF_DEVICE_MEMORY", "OutOfDeviceMemory", "Device memory allocation", "out_of_memory",
+    "requested buffer", "ran out of memory", "Ran out of memory", "paging file", "Not enough space",
+    "Out Of Memory", "OOMKilled", "beyond physical memory", "Cannot allocate memory",
 )
 _RULE_GATE = compile_search("|".join(re.escape(k) for k in _RULE_TRIGGERS))
 

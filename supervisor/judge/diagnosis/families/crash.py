@@ -37,6 +37,13 @@ _CHILD_FAILED_RE = re.compile(r"ChildFailedError")
 
 # Exceptions that are consequences or launcher noise, not a crash cause of their own.
 _NOT_A_CAUSE = {"ChildFailedError", "KeyboardInterrupt", "SystemExit"}
+# A parent's report that a child process died, raised where it waited for it: how, never why. Ray's actor
+# and worker deaths (ray/exceptions.py: "The actor died unexpectedly", "The worker died unexpectedly"); a
+# launcher's CalledProcessError for the training interpreter it ran (accelerate's simple_launcher), not a
+# build tool's (ninja, nvcc, make: their own output says what failed).
+_RELAYED_DEATHS = frozenset({"RayActorError", "ActorDiedError", "WorkerCrashedError", "LocalRayletDiedError"})
+_LAUNCHED_CMD_RE = re.compile(r"Command '\[?'?(?:\S*/)?(?:python[\d.]*|torchrun|accelerate|deepspeed|llamafactory-cli"
+                              r"|bash|sh|srun|mpirun|conda|uv)'?[,\]' ]")
 
 
 def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
@@ -59,7 +66,9 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
         hits.append(Hit("launch_failed", Category.CONFIG_ERROR, MARKER, "launch_failed"))
 
     if exc_form and not hits:
-        if exc == "KeyboardInterrupt":
+        if exc in _RELAYED_DEATHS or (exc == "CalledProcessError" and _LAUNCHED_CMD_RE.search(t)):
+            hits.append(Hit("child_failed", Category.CRASH_OTHER, MARKER, "launcher_summary", exc=seg.exc))
+        elif exc == "KeyboardInterrupt":
             hits.append(Hit("interrupted", Category.CRASH_OTHER, CRASH, "interrupted", exc=seg.exc))
         elif exc not in _NOT_A_CAUSE:
             hits.append(Hit("python_exception", Category.CRASH_OTHER, CRASH, "python_exception", exc=seg.exc))

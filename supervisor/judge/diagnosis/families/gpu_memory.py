@@ -73,6 +73,46 @@ _BNB_OOM_RE = re.compile(r"\bError out of memory at line \d+ in file \S*(?:bitsa
 _TRITON_RES_RE = re.compile(r"out of resources?: (?P<what>shared memory|registers|\w+)(?:, Required: (?P<req>\d+))?"
                             r"(?:, Hardware limit(?:ation)?: (?P<lim>\d+))?")
 
+# Every other runtime's own words for device memory running out (from their raise/log statements):
+# Apple MPS (MPSAllocator.mm), PyTorch's cudaMallocAsync backend (CUDAMallocAsyncAllocator.cpp) and its
+# driver-API check (C10_CUDA_DRIVER_CHECK), Paddle's allocators (PADDLE_THROW_BAD_ALLOC ResourceExhausted,
+# raised in Python as MemoryError), NCCL's CUCHECK ("Cuda failure %d '%s'") and alloc.h, cuFFT/cuRAND
+# status names, XLA's stream-executor allocator and TPU compiler, TensorFlow's GPU copy into an
+# unallocated tensor, DeepSpeed's inference workspace, vLLM's sampler warm-up, SGLang's and TGI's
+# start-up checks, ONNX Runtime's CUDA_CALL, TensorRT's error codes, Caffe/MXNet glog checks, darknet,
+# OpenCV's CUDA module, Ascend CANN, Metal, Vulkan, SYCL/Level Zero, RAPIDS rmm.
+_MORE_GPU_OOM_RE = re.compile(
+    r"(?P<mps>MPS) backend out of memory"
+    r"|Allocation on device \d+ would exceed allowed memory\. \(out of memory\)"
+    r"|Out of memory error on (?P<paddle>GPU|XPU|NPU|MLU|IPU|custom device)"
+    r"|(?P<drv>CUDA|HIP) driver error: out of memory"
+    r"|\bCUFFT_ALLOC_FAILED\b|\bHIPFFT_ALLOC_FAILED\b|\bCURAND_STATUS_ALLOCATION_FAILED\b"
+    r"|\b(?:Cuda|HIP|Hip) failure \d+ '?out of memory|Failed to CUDA calloc(?: async)? \d+ bytes"
+    r"|RESOURCE_EXHAUSTED: Failed to allocate request for|Ran out of memory in memory space (?:hbm|vmem)"
+    r"|Dst tensor is not initialized"
+    r"|Workspace can't be allocated, no enough memory"
+    r"|out of memory occurred when warming up sampler"
+    r"|Not enough memory\. Please try to increase --mem-fraction-static|Not enough memory to handle \d+ (?:prefill )?tokens"
+    r"|\bCUDA failure \d+: out of memory|Error Code \d+: Cuda Runtime \(out of memory\)|Error Code 2: OutOfMemory"
+    r"|Requested amount of GPU memory \(\d+ bytes\) could not be allocated"
+    r"|\(2 vs\. 0\)\s+out of memory|cudaMalloc retval=2\b|\bCUDA (?:Error|ERROR)\s?: out of memory"
+    r"|Gpu API call\) out of memory"
+    r"|\bACL_ERROR_RT_MEMORY_ALLOCATION\b|EL0004:.*[Ff]ailed to allocate memory|driver error:\s?out of memory"
+    r"|kIOGPUCommandBufferCallbackErrorOutOfMemory|\[metal::malloc\] Resource limit"
+    r"|\bErrorOutOfDeviceMemory\b|\bVK_ERROR_OUT_OF_DEVICE_MEMORY\b|Device memory allocation of size \d+ failed"
+    r"|\bUR_RESULT_ERROR_OUT_OF_DEVICE_MEMORY\b|\bZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY\b|\bPI_ERROR_OUT_OF_DEVICE_MEMORY\b"
+    r"|\brmm::out_of_memory\b|out_of_memory: (?:CUDA error|RMM failure)"
+)
+# An exception line that names device memory running out with a vendor (the message cut before
+# "Tried to allocate", or a library's rewording of the allocator's error): only as an exception line.
+_EXC_VENDOR_OOM_RE = re.compile(r"\b(?P<vendor>CUDA|HIP|XPU|NPU|MUSA|GPU) out of memory\b")
+# TensorFlow's BFC allocator before it fails (without "The caller indicates that this is not a failure").
+_TF_BFC_RE = re.compile(r"Allocator \((?P<name>\w+)\) ran out of memory trying to allocate")
+# ONNX Runtime's arena: the same words for the CPU arena, so only where the line names the GPU.
+_ORT_ARENA_RE = re.compile(r"Failed to allocate memory for requested buffer of size \d+")
+_ORT_GPU_RE = re.compile(r"CUDA|Cuda|cuda|GPU|ROCM|Rocm")
+
+
 def _numbers_from(fields: tuple[tuple[str, re.Pattern[str]], ...], text: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for name, rx in fields:
@@ -153,6 +193,7 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     _torch_and_drivers(seg, t, exc, exc_form, hits)
     _vllm(seg, t, exc, exc_form, hits)
     _other_frameworks(seg, t, exc, exc_form, hits)
+    _more_dialects(seg, t, exc, exc_form, hits)
 
 
 def _torch_and_drivers(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
@@ -169,7 +210,7 @@ def _torch_and_drivers(seg: Segment, t: str, exc: str | None, exc_form: bool, hi
                     ROOT if exc_form else HINT, "allocator", fatal=exc_form,
                     numbers=gpu_oom_numbers(t), vendor=vendor, exc=seg.exc)
             )
-        elif exc == "OutOfMemoryError" and not (seg.exc or "").startswith("ray."):
+        elif exc == "OutOfMemoryError" and not (seg.exc or "").startswith(("ray.", "java.")):
             # The class says it even where the message was cut (or wrapped by Ray: RayTaskError(OutOfMemoryError)).
             hits.append(Hit("torch_oom", Category.GPU_OOM, ROOT, "allocator", fatal=True,
                             numbers=gpu_oom_numbers(t), exc=seg.exc))
@@ -259,3 +300,33 @@ def _other_frameworks(seg: Segment, t: str, exc: str | None, exc_form: bool, hit
                             numbers=nums, exc=seg.exc))
     if "batch size" in t and _BATCH_EXHAUSTED_RE.search(t):
         hits.append(Hit("batch_size_exhausted", Category.GPU_OOM, ROOT, "batch_size_search_exhausted", exc=seg.exc))
+
+
+def _more_dialects(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
+    """The runtimes' own words beyond PyTorch's allocator (see _MORE_GPU_OOM_RE): a root cause where
+    they are said, structural where the log's structure makes them so (an exception line, its message,
+    the last error); a vendor-named "X out of memory" only as an exception line."""
+    if any(h.category in (Category.GPU_OOM, Category.HOST_OOM) for h in hits):
+        return
+    m = _MORE_GPU_OOM_RE.search(t)
+    if m:
+        vendor = "hip" if (m.group("drv") == "HIP" or "HIP" in m.group(0) or "Hip" in m.group(0)) else None
+        if m.group("mps"):
+            vendor = None
+        hits.append(Hit("runtime_oom", Category.GPU_OOM, ROOT, "runtime", fatal=exc_form,
+                        numbers=gpu_oom_numbers(t), vendor=vendor, exc=seg.exc))
+        return
+    if exc_form and (seg.exc or "").split(".")[0] not in ("java", "scala"):
+        v = _EXC_VENDOR_OOM_RE.search(t)
+        if v or (exc == "ResourceExhaustedError" and re.search(r"alloc|memory", t)):
+            hits.append(Hit("runtime_oom", Category.GPU_OOM, ROOT, "runtime", fatal=True,
+                            vendor={"CUDA": "cuda", "HIP": "hip"}.get(v.group("vendor") if v else ""), exc=seg.exc))
+            return
+    if "ran out of memory" in t and "not a failure" not in t:
+        b = _TF_BFC_RE.search(t)
+        if b:
+            host = "cpu" in b.group("name").lower()
+            hits.append(Hit("tf_bfc_mention", Category.HOST_OOM if host else Category.GPU_OOM, HINT, "tensorflow",
+                            vendor="cpu" if host else None, exc=seg.exc))
+    if "requested buffer" in t and _ORT_ARENA_RE.search(t) and _ORT_GPU_RE.search(t):
+        hits.append(Hit("runtime_oom", Category.GPU_OOM, ROOT, "runtime", fatal=exc_form, exc=seg.exc))

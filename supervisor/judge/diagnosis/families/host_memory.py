@@ -19,8 +19,19 @@ _SHM_RE = re.compile(r"insufficient shared memory|out of shared memory|killed by
 _CPU_TRIED_RE = re.compile(r"you tried to allocate (\d+) bytes")
 _BAD_ALLOC_RE = re.compile(r"std::bad_alloc")
 # The OS refused memory (ENOMEM: a fork of a large process, an mmap), Arrow's allocator failed.
-_ENOMEM_RE = re.compile(r"\[Errno 12\]\s*Cannot allocate memory")
-_HOST_ALLOC_EXCS = frozenset({"MemoryError", "ArrowMemoryError"})
+# Windows spells ENOMEM "Not enough space"; its commit limit (WinError 1455, the paging file) is the same
+# exhaustion of host memory; torch's shared-memory mmap reports ENOMEM as "Cannot allocate memory (12)".
+_ENOMEM_RE = re.compile(r"\[Errno 12\]\s*(?:Cannot allocate memory|Not enough space)|\[WinError 1455\]"
+                        r"|The paging file is too small for this operation to complete|Cannot allocate memory \(12\)")
+# A scheduler, orchestrator or runtime saying in its own words that the job ran out of host memory:
+# slurmstepd's cgroup count ("Detected 1 oom-kill event(s) in StepId=..."), srun's step state ("task 0: Out Of
+# Memory"), Kubernetes' container status ("Reason: OOMKilled"), YARN's container monitor ("running beyond
+# physical memory limits"), the Go runtime's throw, a shell's fork that got ENOMEM.
+_HOST_OOM_SAID_RE = re.compile(r"Detected \d+ oom[-_]kill events?|srun: error: .*: tasks? [\d,-]+: Out Of Memory"
+                               r"|Reason:\s+OOMKilled\b|\bOOMKilled\b|running beyond physical memory limits"
+                               r"|fatal error: runtime: out of memory|\bfork: Cannot allocate memory")
+# numpy's _ArrayMemoryError ("Unable to allocate 7.45 GiB for an array with shape"), the JVM's heap.
+_HOST_ALLOC_EXCS = frozenset({"MemoryError", "ArrowMemoryError", "_ArrayMemoryError"})
 
 
 def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> None:
@@ -40,11 +51,14 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     if "posix_memalign" in t and _CPU_ALLOC_RE.search(t) and not any(h.rule == "cpu_alloc" for h in hits):
         hits.append(Hit("cpu_alloc" if exc_form else "cpu_alloc_mention", Category.HOST_OOM,
                         ROOT if exc_form else HINT, "cpu_allocator", fatal=exc_form, vendor="cpu", exc=seg.exc))
-    if exc_form and "Errno 12" in t and _ENOMEM_RE.search(t):
+    if exc_form and ("Errno 12" in t or "1455" in t or "paging file" in t or "(12)" in t) and _ENOMEM_RE.search(t):
         hits.append(Hit("enomem", Category.HOST_OOM, ROOT, "enomem", fatal=True, vendor="cpu", exc=seg.exc))
-    if exc in _HOST_ALLOC_EXCS:
+    gpu = any(h.category is Category.GPU_OOM for h in hits)  # Paddle raises its GPU OOM as MemoryError
+    if (exc in _HOST_ALLOC_EXCS and not gpu) or (exc == "OutOfMemoryError" and (seg.exc or "").startswith("java.")):
         hits.append(Hit("memory_error", Category.HOST_OOM, ROOT, "python_memory_error", fatal=True, vendor="cpu", exc=seg.exc))
-    if "bad_alloc" in t and _BAD_ALLOC_RE.search(t):
+    if "bad_alloc" in t and _BAD_ALLOC_RE.search(t) and not gpu:  # RAPIDS: std::bad_alloc: out_of_memory: CUDA
         hits.append(Hit("bad_alloc", Category.HOST_OOM, ROOT, "bad_alloc", fatal=True, vendor="cpu"))
+    if ("emory" in t or "oom" in t or "OOM" in t) and _HOST_OOM_SAID_RE.search(t) and not KERNEL_OOM_RE.search(t):
+        hits.append(Hit("oom_reported", Category.HOST_OOM, ROOT, "oom_killer", fatal=True, vendor="cpu"))
     if ("emory" in t or "oom" in t) and KERNEL_OOM_RE.search(t):
         hits.append(Hit("kernel_oom_kill", Category.HOST_OOM, ROOT, "oom_killer", fatal=True, vendor="cpu"))

@@ -14,7 +14,7 @@ from supervisor.judge.diagnosis.findings import Finding
 _RELAY_RE = re.compile(
     r"exitcode\s*:?\s*-?\d+|\bSignal \d+ \(SIG\w+\) received by PID|return code\s*=\s*-?\d+"
     # the launcher's own exception for it (torchrun, accelerate's subprocess call)
-    r"|\bChildFailedError\b|\bCalledProcessError\b"
+    r"|\bChildFailedError\b|\bCalledProcessError\b|\bRayActorError\b|\bActorDiedError\b|\bWorkerCrashedError\b"
 )
 _SIGNAL_KINDS = ("segfault", "abort", "bus_error")
 # unknown verdicts that are "nothing certain" (not a cancel or a scheduler's word): they get candidates
