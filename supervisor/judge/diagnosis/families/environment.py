@@ -11,8 +11,9 @@ from supervisor.judge.diagnosis.hits import HINT, ROOT, Hit, Segment
 # urllib3, requests, aiohttp, httpx): a connect or read that got no answer. The scanner asks this of a
 # generic exception's last frame (the same exception raised by the program itself is not one).
 _NET_EXC = frozenset({"TimeoutError", "timeout", "ConnectionAbortedError", "BrokenPipeError"})
-_NET_FRAME_RE = re.compile(
-    r"(?:^|/)(?:urllib3|requests|aiohttp|httpx|httpcore)/|(?:^|/)(?:socket|ssl)\.py$|(?:^|/)http/client\.py$"
+_NET_FRAME_RE = re.compile(  # either path separator: a Windows traceback names C:\...\lib\ssl.py
+    r"(?:^|[/\\])(?:urllib3|requests|aiohttp|httpx|httpcore)[/\\]|(?:^|[/\\])(?:socket|ssl)\.py$"
+    r"|(?:^|[/\\])http[/\\]client\.py$"
 )
 
 
