@@ -19,3 +19,41 @@ def test_a_timeout_raised_in_the_http_stack_on_windows_is_environment():
     assert d.category is Category.ENVIRONMENT, d.summary
     own = b'Traceback (most recent call last):\n  File "D:\\train\\wait.py", line 9, in <module>\n    poll()\n' + exc
     assert diagnose_bytes(own, None).category is not Category.ENVIRONMENT
+
+
+def test_an_exception_just_above_a_chain_marker_ended_a_traceback():
+    """CPython's traceback module prints "During handling of the above exception, another exception
+    occurred:" only after a whole traceback, so the exception line right above it ended one even when
+    the paste kept none of its `File` lines (bench r9b dev: a Ray actor's PytorchStreamWriter failure
+    whose frames were cut, then DeepSpeed's save frames). Text lines between them and it stays a hint."""
+    p = b"(ActorModelRayActorBOX pid=4994) "
+    cut = (p + b"    zip_file.write_record(name, storage, num_bytes)\n"
+           + p + b"RuntimeError: [enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing"
+           b" file data/0: file write failed\n")
+    chain = (p + b"\n" + p + b"During handling of the above exception, another exception occurred:\n" + p + b"\n"
+             + p + b"ray::CriticModelRayActor.save_checkpoint() (pid=4999, ip=172.24.40.143)\n"
+             + p + b'  File "/site-packages/deepspeed/runtime/engine.py", line 3170, in save_checkpoint\n'
+             + p + b"    self._save_zero_checkpoint(save_dir, tag)\n")
+    d = diagnose_bytes(cut + chain, None)
+    assert d.category is Category.DISK_FULL, d.summary
+    assert d.strength != "hint"
+    # The marker must follow the exception closely: an earlier text line is not promoted.
+    far = cut + b"".join(p + b"step %d loss 0.1\n" % i for i in range(5)) + chain
+    assert diagnose_bytes(far, None).category is not Category.DISK_FULL
+
+
+def test_any_enumerated_list_of_possible_causes_is_a_hedge():
+    """Ray's raylet words its dead-worker report two ways across releases: "There are some potential
+    root causes. (1) ..." and "Some common causes include: (1) the process was killed by the OOM killer
+    ..., (2) ray stop --force was called, or (3) the worker crashed unexpectedly due to SIGSEGV" (bench
+    r8 dev, verl). Neither names a fact; a single cause after "(1)" with no "(2)" is not a list."""
+    report = (b"(raylet) A worker died or was killed while executing a task by an unexpected system error. To"
+              b" troubleshoot the problem, check the logs for the dead worker. Worker PID: 87687 Worker exit type:"
+              b" SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of"
+              b" file. Some common causes include: (1) the process was killed by the OOM killer due to high memory"
+              b" usage, (2) ray stop --force was called, or (3) the worker crashed unexpectedly due to SIGSEGV or"
+              b" another unexpected error.\n")
+    d = diagnose_bytes(report, None)
+    assert d.category is Category.UNKNOWN, d.summary
+    single = b"Segmentation fault. Possible causes: (1) a bad build of the extension\n"
+    assert diagnose_bytes(single, None).category is Category.CRASH_OTHER

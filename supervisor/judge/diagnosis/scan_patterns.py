@@ -22,6 +22,7 @@ MAX_WATCH = 32
 TAIL_PENDING_BYTES = 8 << 20  # bytes of recent chunks kept by reference for the lazy tail
 TB_GAP = 6  # lines from a traceback's last frame to the exception line ending it (code, carets)
 EXC_MESSAGE_LINES = 8  # lines after a closing exception that still belong to its message
+CHAIN_GAP = 3  # lines from an exception to the chain marker CPython prints after it (blank, a message line)
 SAMPLE_MAX_BYTES = 4 << 20  # a printed sample block longer than this is ended by force
 SHAPES = 4096  # remembered shapes of lines that can no longer change the verdict
 SHAPE_LINE = 1024  # longer candidate lines are always read

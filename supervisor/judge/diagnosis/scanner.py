@@ -51,6 +51,7 @@ from supervisor.judge.diagnosis.scan_patterns import (
     _TRAILING_EXC_RE,
     _WATCHDOG_EXC_RE,
     CALIBRATION_STEPS,
+    CHAIN_GAP,
     EVIDENCE_CHARS,
     EXC_MESSAGE_LINES,
     LONG_LINE,
@@ -126,6 +127,7 @@ class LogScanner(StreamReading, ProgressReading):
         self._chain: dict[int | None, int] = {}  # rank -> chain id of its open/last traceback
         self._chain_mark: dict[int | None, int] = {}  # rank -> line of "During handling of the above exception"
         self._chains = 0
+        self._loose: tuple[int | None, int, Segment] | None = None  # last exception line read as text
         self._cxx_at: dict[int | None, int] = {}  # rank -> line of "terminate called after throwing"
         self._last_tb_phase: dict[int | None, tuple[int, Phase]] = {}  # rank -> (line, phase) of its last exception
         self._prev_tail = b""  # the end of the last line read (a split "ValueError" / ": message" pair)
@@ -301,6 +303,7 @@ class LogScanner(StreamReading, ProgressReading):
         if "above exception" in t and ("During handling of the above exception" in t
                                        or "The above exception was the direct cause" in t):
             self._chain_mark[seg.rank] = line_no
+            self._confirm_loose(seg.rank, line_no, buf, ls)
             return
         if "terminate called after throwing" in t:
             self._cxx_at[seg.rank] = line_no
@@ -335,11 +338,31 @@ class LogScanner(StreamReading, ProgressReading):
         form = self._structural(seg, line_no)
         for hit in classify(seg):
             self._record(hit, seg, line_no, buf, ls, fatal, form)
-        # An exception line closes that rank's traceback (or the unprefixed one it used).
-        if seg.exc is not None and self._frames.pop(seg.rank, None) is None and seg.rank is not None:
+        if seg.exc is not None:
+            self._close_exception(seg, line_no, form)
+
+    def _close_exception(self, seg: Segment, line_no: int, form: str) -> None:
+        """An exception line closes that rank's traceback (or the unprefixed one it used). One read as
+        text is kept: a chain marker right after it shows it ended a traceback whose frames were cut."""
+        if self._frames.pop(seg.rank, None) is None and seg.rank is not None:
             self._frames.pop(None, None)
-        if seg.exc is not None and self._tb_phases.pop(seg.rank, None) is None and seg.rank is not None:
+        if self._tb_phases.pop(seg.rank, None) is None and seg.rank is not None:
             self._tb_phases.pop(None, None)
+        if not form:
+            self._loose = (seg.rank, line_no, seg)
+
+    def _confirm_loose(self, rank: int | None, line_no: int, buf: bytes, ls: int) -> None:
+        """CPython prints "During handling of the above exception" / "The above exception was the direct
+        cause" only after a whole traceback: the exception line just above it (its blank line and at most
+        one message line between) ended one, even when the paste kept none of its frames. Its findings
+        are read again as a cut traceback's, the first link of the chain that follows."""
+        loose, self._loose = self._loose, None
+        if loose is None or loose[0] != rank or not 0 < line_no - loose[1] <= CHAIN_GAP:
+            return
+        self._chains += 1
+        self._chain[rank] = self._chains
+        for hit in classify(loose[2]):
+            self._record(hit, loose[2], loose[1], buf, ls, [], "cut")
 
     def _close_rich(self, rank: int | None, line_no: int, buf: bytes, ls: int) -> None:
         """A rich traceback's box ends: its frames are that traceback's, and the exception line after
