@@ -21,7 +21,7 @@ _KILLED_ALT = "|".join(re.escape(w) for w in KILLED_WORDS)
 _SIGKILL_RE = re.compile(
     r"exitcode\s*:?\s*-9\b|Signal 9 \(SIGKILL\)|killed by signal: Killed|received signal SIGKILL"
     # DeepSpeed's launcher; subprocess and torchelastic name the signal
-    r"|exits with return code = -9\b|Signals\.SIGKILL\b|got signal: 9\b"
+    r"|exits with return code = -9\b|Signals\.SIGKILL\b|got signal: 9\b|terminated with signal SIGKILL\b"
     # the shell's job report: "Killed", "./run.sh: line 5:  1234 Killed   python x.py", or glued to a tqdm bar
     rf"|(?:^|\])(?:{_KILLED_ALT})(?:\s+\(core dumped\))?$|:\s*\d+\s+(?:{_KILLED_ALT})(?:\s|$)"
 )
@@ -41,7 +41,9 @@ _NOT_A_CAUSE = {"ChildFailedError", "KeyboardInterrupt", "SystemExit"}
 # and worker deaths (ray/exceptions.py: "The actor died unexpectedly", "The worker died unexpectedly"); a
 # launcher's CalledProcessError for the training interpreter it ran (accelerate's simple_launcher), not a
 # build tool's (ninja, nvcc, make: their own output says what failed).
-_RELAYED_DEATHS = frozenset({"RayActorError", "ActorDiedError", "WorkerCrashedError", "LocalRayletDiedError"})
+_RELAYED_DEATHS = frozenset({"RayActorError", "ActorDiedError", "WorkerCrashedError", "LocalRayletDiedError",
+                             # torch.multiprocessing.spawn: "process %d terminated with exit code %d"
+                             "ProcessExitedException"})
 _LAUNCHED_CMD_RE = re.compile(r"Command '\[?'?(?:\S*/)?(?:python[\d.]*|torchrun|accelerate|deepspeed|llamafactory-cli"
                               r"|bash|sh|srun|mpirun|conda|uv)'?[,\]' ]")
 

@@ -15,6 +15,8 @@ _RELAY_RE = re.compile(
     r"exitcode\s*:?\s*-?\d+|\bSignal \d+ \(SIG\w+\) received by PID|return code\s*=\s*-?\d+"
     # the launcher's own exception for it (torchrun, accelerate's subprocess call)
     r"|\bChildFailedError\b|\bCalledProcessError\b|\bRayActorError\b|\bActorDiedError\b|\bWorkerCrashedError\b"
+    # torch.multiprocessing.spawn's parent: "process %d terminated with signal %s"
+    r"|\bProcessExitedException\b"
 )
 _SIGNAL_KINDS = ("segfault", "abort", "bus_error")
 # unknown verdicts that are "nothing certain" (not a cancel or a scheduler's word): they get candidates
