@@ -81,3 +81,28 @@ def test_mp_spawn_reporting_a_childs_death_is_a_relay():
     child = (b"-- Process 0 terminated with the following error:\nTraceback (most recent call last):\n"
              b'  File "train.py", line 9, in run\n    x = cfg["lr"]\nKeyError: \'lr\'\n')
     assert diagnose_bytes(child, None).category is not Category.UNKNOWN
+
+
+def test_checkpoint_writers_failing_without_enospc_words_are_disk_evidence():
+    """Writers that report a failed write in their own words, at save time (issue 29: "a writer error at
+    save time is disk evidence"): torch's PyTorchStreamWriter::setup `"File ", file_name, " cannot be
+    opened."` and its valid() check `"PytorchStreamWriter failed " + what` (opening archive, writing
+    central directory...), numpy's ndarray.tofile short write `"%ld requested and %ld written"`
+    (numpy/_core/src/multiarray/convert.c). Statvfs still overrules them where it was measured."""
+    save = b'Traceback (most recent call last):\n  File "/env/site-packages/torch/serialization.py", line 422, in save\n'
+    save += b"    with _open_zipfile_writer(f) as opened_zipfile:\n"
+    tofile = (b'Traceback (most recent call last):\n  File "/env/site-packages/numpy/lib/format.py", line 719,'
+              b" in write_array\n    array.tofile(fp)\n")
+    for log in (save + b"RuntimeError: File my_out/checkpoints/checkpoint_0.pt cannot be opened.\n",
+                save + b"RuntimeError: [enforce fail at inline_container.cc:319] . PytorchStreamWriter failed opening"
+                       b" archive.\n",
+                tofile + b"OSError: 524288 requested and 0 written\n"):
+        d = diagnose_bytes(log, None)
+        assert d.category is Category.DISK_FULL, d.summary
+    # The same writer failing in C++ (a TorchScript save): the abort's what() names it.
+    cxx = (b"terminate called after throwing an instance of 'c10::Error'\n  what():  File /out/x.pt cannot be opened.\n"
+           b"Aborted (core dumped)\n")
+    assert diagnose_bytes(cxx, None).category is Category.DISK_FULL
+    # A reader's complaint or the phrase in prose is not a writer failing.
+    assert diagnose_bytes(b"INFO: the config file says 3 requested and 2 written samples\n", None).category \
+        is not Category.DISK_FULL

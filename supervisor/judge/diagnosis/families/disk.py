@@ -21,8 +21,12 @@ _DISK_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("quota", re.compile(r"Disk quota exceeded|\[Errno 122\]|\bEDQUOT\b|os error 122")),
     (
         "checkpoint_write_failed",
-        re.compile(r"PytorchStreamWriter failed writing file|unexpected pos \d+ vs \d+|file write failed"
+        re.compile(r"PytorchStreamWriter failed |unexpected pos \d+ vs \d+|file write failed"
                    r"|write\(\): fd \d+ failed with"
+                   # torch's PyTorchStreamWriter::setup (torch.save's writer, not the reader); numpy's
+                   # ndarray.tofile short write (np.save)
+                   r"|(?:^|what\(\):\s+)(?:\w+Error: )?(?:\[enforce fail at [^\]]*\] \. )?File \S.* cannot be opened\.$"
+                   r"|^(?:[\w.]*(?:Error|Exception): )?\d+ requested and \d+ written$"
                    # Lua torch's THDiskFile.c: a short fwrite
                    r"|write error: wrote \d+ blocks instead of \d+"),
     ),
