@@ -106,3 +106,24 @@ def test_checkpoint_writers_failing_without_enospc_words_are_disk_evidence():
     # A reader's complaint or the phrase in prose is not a writer failing.
     assert diagnose_bytes(b"INFO: the config file says 3 requested and 2 written samples\n", None).category \
         is not Category.DISK_FULL
+
+
+def test_other_launchers_relaying_a_childs_signal_are_unknown():
+    """Launchers and IDEs that report how a child ended, in their own words (how, never why; cf.
+    torchrun's `exitcode : -11`): Open MPI's help-mpirun.txt "%s noticed that process rank %d with PID %d
+    on node %s exited on signal %d (%s).", Slurm srun's "srun: error: %s: task %d: %s" (strsignal),
+    PyCharm's "Process finished with exit code 139 (interrupted by signal 11: SIGSEGV)", and torchrun's
+    own SignalException when the agent is sent SIGTERM from outside. A shell's own segfault line with
+    nothing else stays a crash."""
+    for log in (
+        b"mpirun noticed that process rank 3 with PID 0 on node gpu01 exited on signal 11 (Segmentation fault).\n",
+        b"srun: error: gpu-node-03: task 2: Segmentation fault (core dumped)\n",
+        b"srun: error: gpu-node-03: task 0: Aborted\n",
+        b"Epoch 3:  45%|####5     | 450/1000\n\nProcess finished with exit code 139 (interrupted by signal 11: SIGSEGV)\n",
+        (b'Traceback (most recent call last):\n  File "/env/site-packages/torch/distributed/elastic/multiprocessing/api.py",'
+         b' line 62, in _terminate_process_handler\n    raise SignalException(f"Process {os.getpid()} got signal: {sigval}",'
+         b" sigval=sigval)\ntorch.distributed.elastic.multiprocessing.api.SignalException: Process 4123 got signal: 15\n"),
+    ):
+        d = diagnose_bytes(log, None)
+        assert d.category is Category.UNKNOWN, (log[-60:], d.summary)
+    assert diagnose_bytes(b"Segmentation fault (core dumped)\n", None).category is Category.CRASH_OTHER

@@ -43,7 +43,9 @@ _NOT_A_CAUSE = {"ChildFailedError", "KeyboardInterrupt", "SystemExit"}
 # build tool's (ninja, nvcc, make: their own output says what failed).
 _RELAYED_DEATHS = frozenset({"RayActorError", "ActorDiedError", "WorkerCrashedError", "LocalRayletDiedError",
                              # torch.multiprocessing.spawn: "process %d terminated with exit code %d"
-                             "ProcessExitedException"})
+                             "ProcessExitedException",
+                             # torchrun's agent sent a signal from outside (SIGTERM, SIGHUP): stopped, not failed
+                             "SignalException"})
 _LAUNCHED_CMD_RE = re.compile(r"Command '\[?'?(?:\S*/)?(?:python[\d.]*|torchrun|accelerate|deepspeed|llamafactory-cli"
                               r"|bash|sh|srun|mpirun|conda|uv)'?[,\]' ]")
 

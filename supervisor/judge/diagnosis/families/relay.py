@@ -1,5 +1,6 @@
 """A launcher passing a child's death on: torchrun's `exitcode : -11` / `Signal 11 (SIGSEGV) received by
-PID N` (with `error_file: <N/A>`, the child wrote no error), DeepSpeed's `exits with return code = -6`.
+PID N` (with `error_file: <N/A>`, the child wrote no error), DeepSpeed's `exits with return code = -6`,
+mpirun's and srun's reports of a rank's signal, an IDE's "interrupted by signal 11".
 How the process ended, never why: where nothing else in the log speaks, the cause is unknown."""
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ _RELAY_RE = re.compile(
     r"|\bChildFailedError\b|\bCalledProcessError\b|\bRayActorError\b|\bActorDiedError\b|\bWorkerCrashedError\b"
     # torch.multiprocessing.spawn's parent: "process %d terminated with signal %s"
     r"|\bProcessExitedException\b"
+    # Open MPI's help-mpirun.txt "... noticed that process rank %d with PID %d on node %s exited on signal
+    # %d (%s)", Slurm's "srun: error: <node>: task <n>: <strsignal>", an IDE's "Process finished with exit
+    # code 139 (interrupted by signal 11: SIGSEGV)"
+    r"|\bexited on signal \d+|^srun: error: [^:]+: tasks? [\d,-]+: |\(interrupted by signal \d+: SIG\w+\)"
 )
 _SIGNAL_KINDS = ("segfault", "abort", "bus_error")
 # unknown verdicts that are "nothing certain" (not a cancel or a scheduler's word): they get candidates
