@@ -21,7 +21,7 @@ _KILLED_ALT = "|".join(re.escape(w) for w in KILLED_WORDS)
 _SIGKILL_RE = re.compile(
     r"exitcode\s*:?\s*-9\b|Signal 9 \(SIGKILL\)|killed by signal: Killed|received signal SIGKILL"
     # DeepSpeed's launcher; subprocess and torchelastic name the signal
-    r"|exits with return code = -9\b|Signals\.SIGKILL\b|got signal: 9\b|terminated with signal SIGKILL\b"
+    r"|exits with return code = -9\b|Signals\.SIGKILL\b|got signal: 9\b"
     # the shell's job report: "Killed", "./run.sh: line 5:  1234 Killed   python x.py", or glued to a tqdm bar
     rf"|(?:^|\])(?:{_KILLED_ALT})(?:\s+\(core dumped\))?$|:\s*\d+\s+(?:{_KILLED_ALT})(?:\s|$)"
 )
