@@ -124,3 +124,22 @@ def test_other_launchers_relaying_a_childs_signal_are_unknown():
         d = diagnose_bytes(log, None)
         assert d.category is Category.UNKNOWN, (log[-60:], d.summary)
     assert diagnose_bytes(b"Segmentation fault (core dumped)\n", None).category is Category.CRASH_OTHER
+
+
+def test_a_traceback_flattened_into_one_line_is_still_read():
+    """A paste whose newlines were lost (a web form, a logger joining lines) carries the header
+    "Traceback (most recent call last):" far into one long line: that is not a header behind a line
+    prefix (prefixes.MAX_PREFIX), and the rest of the line must still be read (bench r6 dev, LLaVA's
+    worker: urllib3's ConnectTimeoutError then huggingface_hub's LocalEntryNotFoundError, one line)."""
+    words = (b"2023-10-06 05:57:22 | ERROR | stderr | requests.exceptions.ConnectTimeout: (MaxRetryError(\"HTTPSConnectionPool"
+             b"(host='huggingface.co', port=443): Max retries exceeded with url: /x/resolve/main/config.json (Caused by"
+             b" ConnectTimeoutError(<urllib3.connection.HTTPSConnection object at 0x7f>, 'Connection to huggingface.co"
+             b" timed out. (connect timeout=10)'))\") 2023-10-06 05:57:22 | ERROR | stderr | The above exception was the"
+             b" direct cause of the following exception: 2023-10-06 05:57:22 | ERROR | stderr | Traceback (most recent"
+             b" call last): 2023-10-06 05:57:22 | ERROR | stderr | File \"/env/site-packages/transformers/utils/hub.py\","
+             b" line 417, in cached_file 2023-10-06 05:57:22 | ERROR | stderr | resolved_file = hf_hub_download("
+             b" 2023-10-06 05:57:22 | ERROR | stderr | huggingface_hub.utils._errors.LocalEntryNotFoundError: An error"
+             b" happened while trying to locate the file on the Hub and we cannot find the requested files in the local"
+             b" cache.\n")
+    d = diagnose_bytes(words, None)
+    assert d.category is Category.ENVIRONMENT, d.summary

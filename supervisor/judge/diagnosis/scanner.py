@@ -30,7 +30,7 @@ from supervisor.judge.diagnosis.families import checks, numeric
 from supervisor.judge.diagnosis.families.environment import network_frame
 from supervisor.judge.diagnosis.families.gpu_memory import _PINNED_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
-from supervisor.judge.diagnosis.prefixes import PrefixModel
+from supervisor.judge.diagnosis.prefixes import MAX_PREFIX, PrefixModel
 from supervisor.judge.diagnosis.rules import (
     CONTEXT_MARKERS,
     FRAME_PHASES,
@@ -269,24 +269,13 @@ class LogScanner(StreamReading, ProgressReading):
         if ('File "' in t or "Traceback" in t or (t.startswith("{") and "loss" in t) or _MARKER_GATE.search(t)
                 or t.startswith(scan_rich.RICH_BOTTOM)):
             self._cacheable = False
-        if 'File "' in t:
+        if 'File "' in t and t.find('File "') <= MAX_PREFIX:
             fm = FRAME_RE.search(t)
             if fm:
-                if seg.rank not in self._tb_at and not (seg.rank is not None and None in self._tb_at):
-                    # A frame with no traceback open: its header was cut (a pasted or rotated log).
-                    self._open_traceback(seg.rank, line_no, cut=True)
-                frames = self._frames.setdefault(seg.rank, deque(maxlen=MAX_FRAMES))
-                frames.append((fm.group("func"), fm.group("path")))
-                if fm.group("func") in FRAME_PHASES:  # kept beyond MAX_FRAMES: outer frames say the phase
-                    self._tb_phases.setdefault(seg.rank, set()).add(FRAME_PHASES[fm.group("func")])
-                if seg.rank in self._tb_at:
-                    self._tb_at[seg.rank] = line_no
-                elif None in self._tb_at:
-                    self._tb_at[None] = line_no
-                if "/rocm" in fm.group("path") or "hip" in fm.group("path").rsplit("/", 1)[-1]:
-                    self._hip = True
+                self._note_frame(seg.rank, fm.group("func"), fm.group("path"), line_no)
                 return
-        if "Traceback (most recent call last)" in t:
+        # A header or frame far into a line (a paste whose newlines were lost) is text: the line is read on.
+        if "Traceback (most recent call last)" in t and t.find("Traceback (most recent call last)") <= MAX_PREFIX:
             i = t.find("Traceback (most recent call last)")
             rich = scan_rich.is_rich_header(t, i)
             if i > 0 and "%|" not in t[:i] and not rich:
@@ -300,8 +289,8 @@ class LogScanner(StreamReading, ProgressReading):
         if t.startswith(scan_rich.RICH_BOTTOM) and self._rich and scan_rich.is_box_bottom(t):
             self._close_rich(seg.rank, line_no, buf, ls)
             return
-        if "above exception" in t and ("During handling of the above exception" in t
-                                       or "The above exception was the direct cause" in t):
+        if "above exception" in t and t.find("above exception") <= MAX_PREFIX + 20 and (
+                "During handling of the above exception" in t or "The above exception was the direct cause" in t):
             self._chain_mark[seg.rank] = line_no
             self._confirm_loose(seg.rank, line_no, buf, ls)
             return
@@ -363,6 +352,22 @@ class LogScanner(StreamReading, ProgressReading):
         self._chain[rank] = self._chains
         for hit in classify(loose[2]):
             self._record(hit, loose[2], loose[1], buf, ls, [], "cut")
+
+    def _note_frame(self, rank: int | None, func: str, path: str, line_no: int) -> None:
+        """A traceback's `File "...", line N, in func` line: kept for the exception that will close it."""
+        if rank not in self._tb_at and not (rank is not None and None in self._tb_at):
+            # A frame with no traceback open: its header was cut (a pasted or rotated log).
+            self._open_traceback(rank, line_no, cut=True)
+        frames = self._frames.setdefault(rank, deque(maxlen=MAX_FRAMES))
+        frames.append((func, path))
+        if func in FRAME_PHASES:  # kept beyond MAX_FRAMES: outer frames say the phase
+            self._tb_phases.setdefault(rank, set()).add(FRAME_PHASES[func])
+        if rank in self._tb_at:
+            self._tb_at[rank] = line_no
+        elif None in self._tb_at:
+            self._tb_at[None] = line_no
+        if "/rocm" in path or "hip" in path.rsplit("/", 1)[-1]:
+            self._hip = True
 
     def _close_rich(self, rank: int | None, line_no: int, buf: bytes, ls: int) -> None:
         """A rich traceback's box ends: its frames are that traceback's, and the exception line after
