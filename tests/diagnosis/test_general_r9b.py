@@ -143,3 +143,12 @@ def test_a_traceback_flattened_into_one_line_is_still_read():
              b" cache.\n")
     d = diagnose_bytes(words, None)
     assert d.category is Category.ENVIRONMENT, d.summary
+
+
+def test_the_oom_reapers_line_is_the_kernels_oom_kill_too():
+    """mm/oom_kill.c prints "oom_reaper: reaped process %d (%s), now anon-rss:%lukB, ..." only for a
+    victim the OOM killer just killed: pasted alone from dmesg it is host-memory evidence like "Out of
+    memory: Killed process"."""
+    log = b"[2059992.056260] oom_reaper: reaped process 25315 (python3), now anon-rss:0kB, file-rss:74732kB, shmem-rss:12296kB\n"
+    d = diagnose_bytes(log, None)
+    assert d.category is Category.HOST_OOM and d.strength != "hint", d.summary

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 KERNEL_OOM_RE = re.compile(
     r"Out of memory: Kill(?:ed)? process (?P<pid>\d+)|Memory cgroup out of memory|invoked oom-killer"
-    r"|oom-kill:|oom_kill_process"
+    r"|oom-kill:|oom_kill_process|oom_reaper: reaped process"
 )
 _XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\):\s*(?P<code>\d+)")
 _XID_CAUSE_RE = re.compile(r"caused by previous Xid (\d+)")

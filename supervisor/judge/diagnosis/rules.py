@@ -238,7 +238,7 @@ def _short(exc: str | None) -> str | None:
 _RULE_TRIGGERS = (
     "ut of memory", "OutOfMemory", "ALLOC_FAILED", "memory_error", "AllocFailed", "OUT_OF_RESOURCES",
     "allocate buffer", "MIOpen", "rocBLAS", "cache blocks", "KV cache", "on startup is less", "executable batch size",
-    "DefaultCPUAllocator", "bad_alloc", "Kill process", "Killed process", "oom-kill", "oom_kill", "illegal",
+    "DefaultCPUAllocator", "bad_alloc", "Kill process", "Killed process", "oom-kill", "oom_kill", "oom_reaper", "illegal",
     "IllegalAddress", "Memory access fault", "GPU Hang", "LaunchTimeOut", "launch timed out", "HSA_STATUS_ERROR",
     "ECC error", "Xid", "fallen off the bus", "launch failure", "LaunchFailure", "misaligned address",
     "Watchdog caught", "NCCL operations have failed", "eartbeat monitor", "watchdog got stuck", "blocking wait",
