@@ -152,3 +152,22 @@ def test_the_oom_reapers_line_is_the_kernels_oom_kill_too():
     log = b"[2059992.056260] oom_reaper: reaped process 25315 (python3), now anon-rss:0kB, file-rss:74732kB, shmem-rss:12296kB\n"
     d = diagnose_bytes(log, None)
     assert d.category is Category.HOST_OOM and d.strength != "hint", d.summary
+
+
+def test_an_error_raised_while_the_c10d_store_forms_is_a_comm_failure():
+    """Where it was raised says what failed: a RuntimeError out of torch.distributed's store creation
+    (rendezvous.py `_create_c10d_store` -> TCPStore(...), TCPStore.cpp's "Stop_waiting response is
+    expected" protocol check, or any of elastic/rendezvous/'s store calls) is the group not forming, in
+    whatever words; a ValueError from the same module's env checks (MASTER_ADDR not set) is not."""
+    store = (b'Traceback (most recent call last):\n  File "/env/site-packages/torch/distributed/rendezvous.py",'
+             b" line 189, in _create_c10d_store\n    return TCPStore(\n")
+    d = diagnose_bytes(store + b"RuntimeError: Stop_waiting response is expected\n", None)
+    assert d.category is Category.COMM_FAILURE, d.summary
+    elastic = (b'Traceback (most recent call last):\n  File "/env/site-packages/torch/distributed/elastic/rendezvous/'
+               b'c10d_rendezvous_backend.py", line 113, in _call_store\n    return getattr(self._store, store_op)(*args)\n')
+    assert diagnose_bytes(elastic + b"RuntimeError: unexpected EOF\n", None).category is Category.COMM_FAILURE
+    env = (b'Traceback (most recent call last):\n  File "/env/site-packages/torch/distributed/rendezvous.py", line 240,'
+           b" in _env_rendezvous_handler\n    master_addr = _get_env_or_raise(\"MASTER_ADDR\")\n"
+           b"ValueError: Error initializing torch.distributed using env:// rendezvous: environment variable"
+           b" MASTER_ADDR expected, but not set\n")
+    assert diagnose_bytes(env, None).category is not Category.COMM_FAILURE

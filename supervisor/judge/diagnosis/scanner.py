@@ -27,6 +27,7 @@ from supervisor.core.models import Category, Diagnosis, Evidence, ExitRecord, Ho
 from supervisor.judge.diagnosis import kernel, rules, scan_rich
 from supervisor.judge.diagnosis.conclude import conclude
 from supervisor.judge.diagnosis.families import checks, numeric
+from supervisor.judge.diagnosis.families.comm import store_frame
 from supervisor.judge.diagnosis.families.environment import network_frame
 from supervisor.judge.diagnosis.families.gpu_memory import _PINNED_RE
 from supervisor.judge.diagnosis.findings import Finding, ScanState
@@ -565,7 +566,7 @@ class LogScanner(StreamReading, ProgressReading):
                     checks.raised_by_check_code(hit.exc, self._check_code, seg.rank, line_no, frames[-1][1])):
                 hit = Hit("config_check", Category.CONFIG_ERROR, rules.ROOT, "invalid_config", exc=hit.exc)
             elif hit.rule == "python_exception" and structural:
-                hit = network_frame(hit.exc, frames[-1][1]) or hit
+                hit = network_frame(hit.exc, frames[-1][1]) or store_frame(hit.exc, *frames[-1]) or hit
             if "deepspeed/runtime/zero" in paths or "deepspeed/runtime/swap_tensor" in paths:
                 if "partition_parameters" in paths or "all_gather" in funcs or "fetch_sub_module" in funcs:
                     notes.append("inside DeepSpeed ZeRO-3 parameter gather")

@@ -84,3 +84,22 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
         hits.append(Hit("rendezvous", Category.COMM_FAILURE, COMM, "rendezvous", exc=seg.exc))
     elif "CCL" in t and _NCCL_NET_RE.search(t):
         hits.append(Hit("nccl_network", Category.COMM_FAILURE, COMM, "nccl_network", exc=seg.exc))
+
+
+# Raised while torch.distributed's c10d store formed or was read (rendezvous.py's TCPStore creation,
+# elastic/rendezvous/'s store calls, the store-based barrier): the group not forming, in whatever
+# words (TCPStore.cpp's "Stop_waiting response is expected", a bare EOF). The scanner asks this of a
+# generic exception's last frame; a ValueError there is the env check's (MASTER_ADDR not set).
+_STORE_FUNCS = frozenset({"_create_c10d_store", "_create_tcp_store", "_store_based_barrier", "_call_store"})
+_STORE_EXCS = frozenset({"RuntimeError", "TimeoutError", "OSError", "ConnectionError", "ConnectionResetError",
+                         "ConnectionRefusedError", "ConnectionAbortedError", "BrokenPipeError", "DistError"})
+
+
+def store_frame(exc: str | None, func: str, path: str) -> Hit | None:
+    """A comm hit for a generic exception raised at the c10d store's frame, else None."""
+    if exc is None or exc.rsplit(".", 1)[-1] not in _STORE_EXCS:
+        return None
+    if func not in _STORE_FUNCS and "/elastic/rendezvous/" not in path.replace("\\", "/"):
+        return None
+    return Hit("rendezvous", Category.COMM_FAILURE, COMM, "rendezvous", exc=exc)
+
