@@ -171,3 +171,18 @@ def test_an_error_raised_while_the_c10d_store_forms_is_a_comm_failure():
            b"ValueError: Error initializing torch.distributed using env:// rendezvous: environment variable"
            b" MASTER_ADDR expected, but not set\n")
     assert diagnose_bytes(env, None).category is not Category.COMM_FAILURE
+
+
+def test_a_tracking_or_storage_service_out_of_reach_is_environment():
+    """The run's surroundings in their own classes and status lines: wandb's CommError ("Error
+    communicating with W&B servers", wandb/errors/errors.py; e.g. "Run initialization has timed out"),
+    google.api_core's ServiceUnavailable and any "503 Service Unavailable" / "502 Bad Gateway" /
+    "504 Gateway Timeout" status line. A wandb usage error stays the user's."""
+    for log in (b"wandb.errors.errors.CommError: Run initialization has timed out after 90.0 sec.\n",
+                b"wandb.errors.CommError: Network error (ConnectionError), entering retry loop.\n",
+                b"google.api_core.exceptions.ServiceUnavailable: 503 Service Unavailable\n",
+                b"RuntimeError: upload failed: 504 Gateway Timeout\n"):
+        d = diagnose_bytes(log, None)
+        assert d.category is Category.ENVIRONMENT, (log, d.summary)
+    usage = b"wandb.errors.UsageError: api_key not configured (no-tty). call wandb.login(key=[your_api_key])\n"
+    assert diagnose_bytes(usage, None).category is not Category.ENVIRONMENT

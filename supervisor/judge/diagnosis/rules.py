@@ -264,7 +264,8 @@ _RULE_TRIGGERS = (
     "got signal: 9", ":nan", *KILLED_WORDS,
     "name resolution", "NameResolution", "Failed to resolve", "service not known", "TimeoutError", "MaxRetryError",
     "ConnectionError", "Connection aborted", "connect to", "unreachable", "HTTP Error 50", "Server Error",
-    "check your connection", "Internet connection", "SSLError", "ProxyError",
+    "check your connection", "Internet connection", "SSLError", "ProxyError", "CommError", "ServiceUnavailable",
+    "Service Unavailable", "Service Temporarily Unavailable", "Bad Gateway", "Gateway Time",
     # config checks said outside an exception line (families/config.py)
     "size mismatch for", "Please verify arguments", "is not in struct", "Could not override", "only the following",
     ": error: ", "call to target", "locating target", "Missing mandatory value", "model is torch.Size",

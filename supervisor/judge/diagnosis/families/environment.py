@@ -41,6 +41,8 @@ _ENV_RE = re.compile(
     r"|ChunkedEncodingError|Connection broken: |RemoteDisconnected|Remote end closed connection without response"
     r"|ClientConnectorError|Cannot connect to host|ServerDisconnectedError|ClientPayloadError"
     r"|CERTIFICATE_VERIFY_FAILED"
+    # a gateway or service saying it is down (google.api_core's ServiceUnavailable, any status line)
+    r"|\bServiceUnavailable\b|\b50[234] (?:Service (?:Temporarily )?Unavailable|Bad Gateway|Gateway Time-?out)\b"
 )
 # urllib3/requests' own account of a request that never got an answer (huggingface_hub logs it as a
 # warning, "'(MaxRetryError(...))' thrown while requesting HEAD ..."): the network failed, said
@@ -60,6 +62,10 @@ _OFFLINE_RE = re.compile(r"outgoing traffic has been disabled|HF_HUB_OFFLINE|loc
 def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit]) -> bool:
     """Append this family's hits for one segment (`t` its text, `exc` its short exception class).
     True when no later family may speak (a network failure is not a config error)."""
+    if exc == "CommError" and exc_form and "wandb" in (seg.exc or ""):
+        # wandb/errors/errors.py: "Error communicating with W&B servers" (init timed out, network errors)
+        hits.append(Hit("environment", Category.ENVIRONMENT, ROOT, "network", exc=seg.exc))
+        return True
     # Transient environment failures, before config: a hub lookup that failed for want of a network.
     # (A connection between ranks - c10d store, rendezvous, NCCL - stays a comm failure.)
     if (not _ENV_RE.search(t) or _OFFLINE_RE.search(t)
