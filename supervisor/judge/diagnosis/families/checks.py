@@ -64,8 +64,11 @@ _BUG_RE = re.compile(r"values to unpack|torch\.Size|(?<!\w)[Tt]ensors?\b|\w+Tens
                      r"|CUDA error|cuDNN|cuBLAS|CUBLAS|NCCL|\bHIP\b|\bkernel\b|device-side|illegal memory|scalar type"
                      r"|c10::|\bmat\d\b|same dtype|\bchannels\b"
                      r"|\bgrad(?:ient)?s?\b|backward|autograd|\bgraph\b|in-place|inplace|\barray\b"
-                     # transformers' Auto classes on a release that lacks the model: a version mismatch
-                     r"|is not currently imported|for this kind of AutoModel|does not recognize this architecture")
+                     # transformers' Auto classes on a release (or remote code) that lacks the model: a version
+                     # mismatch; "Unrecognized configuration class" is every Auto factory's refusal (auto_factory,
+                     # tokenization_auto, processing_auto, image_processing_auto)
+                     r"|is not currently imported|for this kind of AutoModel|does not recognize this architecture"
+                     r"|Unrecognized configuration class")
 
 
 def says_config_check(msg: str) -> bool:
