@@ -66,3 +66,11 @@ def test_an_auto_factory_refusing_a_config_class_is_a_mismatch(path: str, func: 
            + f"ValueError: {msg}\nModel type should be one of AlbertConfig, BartConfig, BertConfig.\n".encode())
     d = diagnose_bytes(log)
     assert d.category is Category.CRASH_OTHER, d.summary
+
+
+def test_a_scripts_check_raised_as_a_bare_exception_is_config() -> None:
+    # `raise Exception(...)` over a setting: Python's base class ends the traceback like any other class.
+    log = (_TB + b'  File "/home/u/train.py", line 9, in main\n    raise Exception(f"unknown dataset {args.dataset}")\n'
+           b"Exception: unknown dataset foo\n")
+    d = diagnose_bytes(log)
+    assert d.category is Category.CONFIG_ERROR and d.strength != "hint", d.summary
