@@ -74,3 +74,25 @@ def test_a_scripts_check_raised_as_a_bare_exception_is_config() -> None:
            b"Exception: unknown dataset foo\n")
     d = diagnose_bytes(log)
     assert d.category is Category.CONFIG_ERROR and d.strength != "hint", d.summary
+
+
+@pytest.mark.parametrize(("path", "exc"), [
+    # transformers modeling_utils.py from_pretrained: two ways of asking for the same setting
+    ("transformers/modeling_utils.py",
+     "ValueError: You can't pass `load_in_4bit`or `load_in_8bit` as a kwarg when passing `quantization_config` argument"
+     " at the same time."),
+    # DeepSpeed's argument check: a required --flag missing
+    ("deepspeed/runtime/engine.py",
+     "AssertionError: DeepSpeed requires --deepspeed_config to specify configuration file"),
+])
+def test_a_library_check_that_names_the_setting_it_requires_is_config(path: str, exc: str) -> None:
+    log = _TB + _lib_frame(f"/usr/lib/python3.10/site-packages/{path}", "from_pretrained", "raise ValueError(") + (
+        exc.encode() + b"\n")
+    d = diagnose_bytes(log)
+    assert d.category is Category.CONFIG_ERROR, d.summary
+
+
+def test_a_requirement_on_tensors_stays_a_bug() -> None:
+    log = _TB + _lib_frame("/usr/lib/python3.10/site-packages/somelib/ops.py", "forward", "raise ValueError(") + (
+        b"ValueError: `input` requires a tensor of at least 2 dims, got 1\n")
+    assert diagnose_bytes(log).category is Category.CRASH_OTHER

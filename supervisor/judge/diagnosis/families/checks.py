@@ -34,7 +34,8 @@ _KEY = (r"(?:`[^`\s]{2,80}`|(?<![\w-])--?[A-Za-z][\w.-]+|'[A-Za-z_][\w.-]*'|\"[A
 # What the check requires of it.
 _REQUIRE = (r"(?:\b(?:must|should|has to|have to|needs? to)(?: not)? (?:be|have|match|equal|contain|use|set|specify|provide"
             r"|pass|either|only|all|both|a|an|greater|less|at)\b|\bcannot be (?:used|combined|set|specified|enabled)\b"
-            r"|\bcan(?:'t| not|not) (?:be used|use|both|specify|set|enable|train|run|load|find|mix|combine)\b"
+            r"|\bcan(?:'t| not|not) (?:be used|use|both|specify|set|enable|train|run|load|find|mix|combine|pass)\b"
+            r"|\bat the same time\b|\brequires? (?=--?[A-Za-z]|`)"
             r"|\bcan only (?:work|be used|be|use)\b|\bdoes(?:n't| not) support\b|\brequires? (?:you|a|an|the|at least|to)\b"
             r"|\bis not (?:supported|allowed|compatible|available|valid|recognized)\b"
             r"|\bare not (?:supported|allowed|compatible)\b|\bnot supported (?:for|with|when|by|in|yet)\b"
