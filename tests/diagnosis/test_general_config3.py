@@ -79,8 +79,8 @@ def test_a_scripts_check_raised_as_a_bare_exception_is_config() -> None:
 @pytest.mark.parametrize(("path", "exc"), [
     # transformers modeling_utils.py from_pretrained: two ways of asking for the same setting
     ("transformers/modeling_utils.py",
-     "ValueError: You can't pass `load_in_4bit`or `load_in_8bit` as a kwarg when passing `quantization_config` argument"
-     " at the same time."),
+     ("ValueError: You can't pass `load_in_4bit`or `load_in_8bit` as a kwarg when passing `quantization_config` argument"
+     " at the same time.")),
     # DeepSpeed's argument check: a required --flag missing
     ("deepspeed/runtime/engine.py",
      "AssertionError: DeepSpeed requires --deepspeed_config to specify configuration file"),
