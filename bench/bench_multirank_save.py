@@ -10,6 +10,8 @@ size, the run with the start-up hook (OOM_SUPERVISOR_EMERGENCY_CKPT=1) and witho
 
   OOM->saved    the OOM's raise to checkpoint-N renamed into place (hook on only)
   save_s        the hook's own figure from oom-supervisor-emergency.json (RNG answers included)
+  OOM->stop     the OOM's raise to torchrun's agent stopping the other ranks (its "closing signal"
+                line: the failing rank has exited, its save done)
   OOM->gone     the OOM's raise to torchrun's exit
   finished      the last step every rank finished (rank 0's last LOSS line)
   resume        the newest complete checkpoint left (supervisor.run.checkpoints' scan)
@@ -17,7 +19,8 @@ size, the run with the start-up hook (OOM_SUPERVISOR_EMERGENCY_CKPT=1) and witho
 
     PYTHONPATH=$PWD .venv/bin/python bench/bench_multirank_save.py [--ranks 2 4] [--trials 1]
 
-Figures are one run's (median of --trials where more); the box's load moves them, the steps lost do not.
+Times are the median of --trials (min-max beside it); the box's load moves them (printed before
+and after), the steps lost do not.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ NOTE = "oom-supervisor-emergency.json"
 OOM_FORWARD, OOM_RANK, SAVE_STEPS, MAX_STEPS = 16, 1, 5, 12
 _LOSS = re.compile(r"^LOSS (\d+) ", re.MULTILINE)
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
+# torchrun's agent (glog format, local time): "W1207 05:52:16.198000 32680 .../api.py:1028] Sending process
+# 300 closing signal SIGTERM" once a worker failed
+_STOP = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)(\.\d+) +\d+ .*closing signal", re.MULTILINE)
 
 
 def free_port() -> int:
@@ -66,6 +72,16 @@ def watch(out: Path, seen: dict[int, float], stop: threading.Event) -> None:
             if (m := _CKPT.match(name)) and int(m[1]) not in seen:
                 seen[int(m[1])] = now
         stop.wait(0.005)
+
+
+def agent_stop(log: str, near: float) -> float | None:
+    """When torchrun's agent began stopping the other workers (wall time), or None."""
+    m = _STOP.search(log)
+    if m is None:
+        return None
+    year = time.localtime(near).tm_year
+    mon, day, hh, mm, ss = (int(x) for x in m.groups()[:5])
+    return time.mktime((year, mon, day, hh, mm, ss, 0, 0, -1)) + float(m[6])
 
 
 def trial(root: Path, world: int, hook: bool) -> dict:
@@ -103,25 +119,28 @@ def trial(root: Path, world: int, hook: bool) -> dict:
     return {"world": world, "hook": hook, "rc": rc, "oom_rank": int(rank), "saved_step": saved,
             "oom_to_saved_s": seen[saved] - oom_at if saved is not None else None,
             "save_s": note.get("save_s"), "oom_to_gone_s": gone - oom_at,
+            "oom_to_stop_s": None if (stop_at := agent_stop(log, oom_at)) is None else stop_at - oom_at,
             "finished": finished, "resume": resume, "lost": finished - resume, "log": str(log_path)}
 
 
-def median(rows: list[dict], key: str) -> float | None:
+def sec(rows: list[dict], key: str) -> str:
+    """'1.51 s' for one trial, '1.51 s (1.16-1.57)' for several, '-' when none has the figure."""
     vals = [r[key] for r in rows if r[key] is not None]
-    return statistics.median(vals) if vals else None
+    if not vals:
+        return "-"
+    mid = f"{statistics.median(vals):.2f} s"
+    return mid if len(vals) == 1 else f"{mid} ({min(vals):.2f}-{max(vals):.2f})"
 
 
 def table(results: list[list[dict]]) -> str:
-    def sec(v: float | None) -> str:
-        return "-" if v is None else f"{v:.2f} s"
-
-    head = ("ranks", "emergency save", "OOM->saved", "save_s", "OOM->gone", "finished", "resume", "lost")
+    head = ("ranks", "emergency save", "OOM->saved", "save_s", "OOM->stop", "OOM->gone", "finished", "resume",
+            "lost")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for rows in results:
         r = rows[0]
         lines.append(" | ".join((
-            str(r["world"]), "on" if r["hook"] else "off (hook disabled)", sec(median(rows, "oom_to_saved_s")),
-            sec(median(rows, "save_s")), sec(median(rows, "oom_to_gone_s")), str(r["finished"]),
+            str(r["world"]), "on" if r["hook"] else "off (hook disabled)", sec(rows, "oom_to_saved_s"),
+            sec(rows, "save_s"), sec(rows, "oom_to_stop_s"), sec(rows, "oom_to_gone_s"), str(r["finished"]),
             f"checkpoint-{r['resume']}" if r["resume"] else "none", str(max(x["lost"] for x in rows)))))
     return "\n".join(lines)
 
@@ -136,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--ranks take world sizes of 2 or more (rank 1 OOMs); --trials at least 1")
     print(f"code: {REPO}")
     print(f"rank {OOM_RANK} OOMs in forward {OOM_FORWARD} (step 8); save_steps {SAVE_STEPS}; gloo on CPU, "
-          f"{os.cpu_count()} cores")
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     base = Path(tempfile.mkdtemp(prefix="oomsup-multirank-"))
     results = []
     for world in args.ranks:
@@ -151,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"saved {r['saved_step']}, lost {r['lost']}, OOM->gone {r['oom_to_gone_s']:.2f} s",
                       flush=True)
             results.append(rows)
-    print()
+    print(f"\nload average now {os.getloadavg()[0]:.1f}")
     print(table(results))
     if args.keep:
         print(f"\nruns kept in {base}")
