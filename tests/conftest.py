@@ -23,6 +23,9 @@ FAKEJOB = REPO / "tests" / "jobs" / "fakejob.py"
 # side by side: 132 s -> 77 s each (user CPU 123 s -> 72 s). Trainings the tests start directly
 # inherit it; jobs run by a daemon get their own environment (its allowlist), as in production.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The same for trainings a test's daemon runs (their environment is the job's, not ours): a job
+# file's `env:` carries it, as a user would put a box-wide setting there.
+QUIET_OMP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 # --- two workers (scripts/test.sh runs pytest-xdist) -------------------------------------------

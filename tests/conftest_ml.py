@@ -35,6 +35,7 @@ TRAIN_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "DISABLE_VERSION_CHECK": "1",
     "TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions"),  # DeepSpeed ops compile once
+    "OMP_WAIT_POLICY": "PASSIVE",  # also through a daemon (tests/conftest.py, QUIET_OMP)
     "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # torchrun for FORCE_TORCHRUN
 }
 

@@ -81,13 +81,14 @@ class Verdicts:
             peak_rss_bytes=host.peak_rss_bytes, **progress)
         vram = act.vram.stop() if act.vram is not None else None
         emergency = emergency_of(act.paths.log)
+        note = self.emergency_note(act, emergency)
         if emergency is not None and emergency.steps_saved and emergency.step is not None:
             # The hook saved the last finished step: that checkpoint is what this attempt kept.
             fields["checkpoint_step_after"] = max(emergency.step, progress.get("checkpoint_step_after") or 0)
         self.follower_close_save(act)
         with self.store.tx():
             self.store.update_attempt(act.job_id, act.number, **fields)
-            self.record_telemetry(act, emergency, vram)
+            self.record_telemetry(act, emergency, vram, note=note, node=diagnosis.node)
             self.record_scheduler(act)
             # When steps, checkpoint loads and saves were seen: the goodput buckets (judge.goodput).
             self.store.event(act.job_id, "attempt_timing", f"attempt {act.number}: {len(act.marks.steps)} step "
@@ -179,16 +180,27 @@ class Verdicts:
                            nodes=sched.get("nodes"), down_nodes=sched.get("down_nodes"),
                            stop_commands=sched.get("stop_commands"))
 
-    def record_telemetry(self, act: Active, emergency, vram) -> None:
+    def emergency_note(self, act: Active, emergency):
+        """What a multi-rank emergency checkpoint says of itself (its note file), read as the job's
+        user; None for any other outcome or an unreadable note."""
+        from supervisor.hooks.markers import NOTE_FILE, parse_note
+        from supervisor.run.attemptdir import read_job_json
+
+        if emergency is None or emergency.outcome != "saved" or not emergency.path:
+            return None
+        try:  # a regular file only, bounded, no link followed: the path comes from the job's log
+            with self.facts.acting(act.identity):
+                return parse_note(read_job_json(Path(emergency.path) / NOTE_FILE))
+        except Exception:  # noqa: BLE001 - the note is the job's file: evidence, never a condition of the verdict
+            log.exception("emergency_note_unreadable", job=act.job_id)
+            return None
+
+    def record_telemetry(self, act: Active, emergency, vram, *, note=None, node: str | None = None) -> None:
         if emergency is not None:
-            words = {"saved": f"emergency checkpoint at step {emergency.step}: {emergency.path}",
-                     "already_saved": f"emergency checkpoint at step {emergency.step}: already saved by the "
-                                      "regular schedule",
-                     }.get(emergency.outcome, f"no emergency checkpoint ({emergency.outcome}): "
-                                              f"{emergency.reason or emergency.text}")
-            self.journal.event(act.job_id, "emergency_checkpoint", words, attempt=act.number,
-                               outcome=emergency.outcome, step=emergency.step, path=emergency.path,
-                               seconds=emergency.seconds)
+            from supervisor.hooks.markers import describe
+
+            words, data = describe(emergency, note, node)
+            self.journal.event(act.job_id, "emergency_checkpoint", words, attempt=act.number, **data)
         if vram and vram.get("samples"):
             peaks = ", ".join(f"GPU {d}: {b / (1 << 30):.2f} GiB" for d, b in vram["peak_bytes"].items())
             self.journal.event(act.job_id, "gpu_telemetry", f"peak VRAM {peaks or 'none seen'} ({vram['source']})",

@@ -9,6 +9,8 @@ count it: the share of wall time that produced progress the run kept. The bucket
   checkpoint_load  loading the checkpoint it resumes from (and converting it, before launch)
   productive       training steps whose progress was kept (each global step's kept execution)
   checkpoint_save  saving checkpoints and the final model
+  emergency_save   the start-up hook's emergency checkpoint after a catchable OOM: from its start
+                   (several ranks: the other ranks' RNG answers included) to checkpoint-N in place
   redone           training steps a failure threw away (the progress trained again afterwards)
   failed           the rest of an attempt that failed or was interrupted: from its last step to its
                    end (the failure, the teardown), or all of it when it never reached a step
@@ -37,15 +39,16 @@ from itertools import pairwise
 from typing import Any
 
 BUCKETS: tuple[str, ...] = ("queued", "waiting_gpus", "startup", "checkpoint_load", "productive",
-                            "checkpoint_save", "redone", "failed", "hang", "backoff", "held")
+                            "checkpoint_save", "emergency_save", "redone", "failed", "hang", "backoff", "held")
 LABELS = {
     "queued": "queued", "waiting_gpus": "waiting for GPUs/VRAM", "startup": "start-up",
     "checkpoint_load": "checkpoint loads", "productive": "productive training", "checkpoint_save": "checkpoint saves",
+    "emergency_save": "emergency saves",
     "redone": "progress redone", "failed": "failed attempts", "hang": "hang timeout", "backoff": "backoff",
     "held": "held (failed/interrupted)",
 }
 # Where labels overlap, the higher one wins (a save inside a step interval is a save).
-_PRIORITY = {"hang": 9, "checkpoint_save": 8, "checkpoint_load": 7, "productive": 6, "redone": 6,
+_PRIORITY = {"hang": 10, "emergency_save": 9, "checkpoint_save": 8, "checkpoint_load": 7, "productive": 6, "redone": 6,
              "startup": 5, "failed": 5, "waiting_gpus": 4, "held": 3, "backoff": 2, "queued": 1}
 MAX_STEP_POINTS = 512
 PARTIAL_KEEP = 4096  # of a line still being written: enough for any marker line
@@ -64,7 +67,14 @@ RUNNABLE_STATES = ("queued", "waiting_retry")
 _LOAD_BEGIN_RE = re.compile(r"Loading model from \S*checkpoint-\d+|Attempting to resume from \S+")
 _LOAD_END_RE = re.compile(r"\*\*\*\*\* Running training \*\*\*\*\*")
 _SAVE_RE = re.compile(r"Saving model checkpoint to (\S+)")
-_NEEDLES = (b"Loading model from", b"Attempting to resume from", b"Running training", b"Saving model checkpoint")
+# The start-up hook's markers (hooks/startup/oom_supervisor_hooks/emergency.py; read in full by
+# supervisor.hooks.markers): "saving step N" starts the write, "(saved in S s)" ends it, S counting
+# from before a multi-rank save asked the other ranks for their RNG state; "failed" ends it too.
+_EM = r"^(?:\[(?:rank|default)\d+\]:\s*)?oom-supervisor: emergency checkpoint"
+_EM_BEGIN_RE = re.compile(_EM + r": saving step \d+ to ", re.MULTILINE)
+_EM_END_RE = re.compile(_EM + r" at step \S+(?:: .* \(saved in (?P<s>[\d.]+) s\)| failed: .*)\r?$", re.MULTILINE)
+_NEEDLES = (b"Loading model from", b"Attempting to resume from", b"Running training", b"Saving model checkpoint",
+            b"oom-supervisor: emergency checkpoint")
 
 
 @dataclass
@@ -79,6 +89,7 @@ class TimingMarks:
     steps: list[tuple[int, float]] = field(default_factory=list)
     loads: list[list[float | None]] = field(default_factory=list)  # [begin, end]
     saves: list[list[Any]] = field(default_factory=list)  # [begin, end, path]
+    emergency: list[list[float | None]] = field(default_factory=list)  # [begin, end] of emergency saves
     _partial: bytes = b""
 
     def on_text(self, now: float, chunk: bytes) -> None:
@@ -98,6 +109,19 @@ class TimingMarks:
             self.saves.append([now, None, m.group(1).rstrip(".")])
         if _LOAD_END_RE.search(text) and self.loads and self.loads[-1][1] is None:
             self.loads[-1][1] = now
+        self._emergency(now, text)
+
+    def _emergency(self, now: float, text: str) -> None:
+        if _EM_BEGIN_RE.search(text) and not (self.emergency and self.emergency[-1][1] is None):
+            self.emergency.append([now, None])
+        for m in _EM_END_RE.finditer(text):
+            took = float(m["s"]) if m["s"] else 0.0
+            if self.emergency and self.emergency[-1][1] is None:
+                self.emergency[-1] = [min(self.emergency[-1][0] or now, now - took), now]
+            elif took:
+                self.emergency.append([now - took, now])
+            if self.saves and self.saves[-1][1] is None:
+                self.saves[-1][1] = now  # the Trainer's save inside the emergency one is over too
 
     def on_step(self, now: float, step: int) -> None:
         if self.loads and self.loads[-1][1] is None:
@@ -122,7 +146,7 @@ class TimingMarks:
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps": [list(s) for s in self.steps], "loads": [list(x) for x in self.loads],
-                "saves": [list(x) for x in self.saves]}
+                "saves": [list(x) for x in self.saves], "emergency": [list(x) for x in self.emergency]}
 
 
 @dataclass(frozen=True)
@@ -130,6 +154,7 @@ class Marks:
     steps: tuple[tuple[int, float], ...] = ()
     loads: tuple[tuple[float, float | None], ...] = ()
     saves: tuple[tuple[float, float | None], ...] = ()
+    emergency: tuple[tuple[float, float | None], ...] = ()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> Marks | None:
@@ -138,7 +163,9 @@ class Marks:
         try:
             return cls(steps=tuple((int(s), float(t)) for s, t in d.get("steps") or ()),
                        loads=tuple((float(b), None if e is None else float(e)) for b, e in d.get("loads") or ()),
-                       saves=tuple((float(x[0]), None if x[1] is None else float(x[1])) for x in d.get("saves") or ()))
+                       saves=tuple((float(x[0]), None if x[1] is None else float(x[1])) for x in d.get("saves") or ()),
+                       emergency=tuple((float(b), None if e is None else float(e))
+                                       for b, e in d.get("emergency") or ()))
         except (TypeError, ValueError, IndexError):
             return None
 
@@ -328,6 +355,8 @@ def _attempt_paint(a: AttemptSpan, attempts: Sequence[AttemptSpan], end: float):
         for b, se in m.saves:
             nxt = next((t for _st, t in steps if t > b), e)
             out.append((max(s, b), min(e, se if se is not None else nxt), "checkpoint_save", n))
+        for b, ee in m.emergency:  # no end seen: the process died during it (the attempt's end)
+            out.append((max(s, b), min(e, ee if ee is not None else e), "emergency_save", n))
     if a.hang_at is not None and a.hang_timeout:
         quiet = max(s, a.hang_at - a.hang_timeout, steps[-1][1] if steps else s)
         out.append((quiet, e, "hang", n))

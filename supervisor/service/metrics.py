@@ -178,11 +178,32 @@ def record_families(store) -> list:
     fam.append(CounterMetricFamily(f"{PREFIX}_steps_lost", "Training steps thrown away by failed attempts "
                                    "(reached minus kept by a checkpoint)", value=lost))
     fam += environment_families(store, outcomes.get("environment", 0))
+    fam += emergency_families(store)
     quarantined = c.execute("SELECT COUNT(*) FROM events WHERE kind='checkpoint_quarantined'").fetchone()[0]
     fam.append(CounterMetricFamily(f"{PREFIX}_checkpoints_quarantined",
                                    "Incomplete checkpoints moved aside", value=quarantined))
     fam += goodput_families(store)
     return fam
+
+
+def emergency_families(store) -> list:
+    """The start-up hook's emergency checkpoints after a catchable OOM (`emergency_checkpoint` events):
+    how each ended, and the seconds the saves took (several ranks: from the OOM rank asking for the
+    others' RNG state to checkpoint-N renamed into place)."""
+    rows = store.conn.execute(
+        "SELECT COALESCE(json_extract(data, '$.outcome'), 'unknown'), COUNT(*),"
+        " SUM(CASE WHEN json_extract(data, '$.outcome') = 'saved'"
+        "          THEN MAX(0, COALESCE(json_extract(data, '$.seconds'), 0)) ELSE 0 END)"
+        " FROM events WHERE kind = 'emergency_checkpoint' AND json_valid(data) GROUP BY 1").fetchall()
+    count = CounterMetricFamily(f"{PREFIX}_emergency_checkpoints", "Emergency checkpoints after a catchable OOM "
+                                "by outcome (saved, already_saved, failed, not_attempted, interrupted)",
+                                labels=["outcome"])
+    seconds = 0.0
+    for outcome, n, took in rows:
+        count.add_metric([str(outcome)], n)
+        seconds += float(took or 0)
+    return [count, CounterMetricFamily(f"{PREFIX}_emergency_save_seconds", "Seconds the saved emergency "
+                                       "checkpoints took to write", value=round(seconds, 3))]
 
 
 def environment_families(store, failures: int) -> list:
@@ -221,7 +242,8 @@ def goodput_families(store, *, now: float | None = None, window_s: float = GOODP
     night = breakdown(g.total for _j, g in per)
     seconds = GaugeMetricFamily(f"{PREFIX}_time_seconds", "Wall time of the jobs active in the last 24 h, by "
                                 "where it went (queued, waiting_gpus, startup, checkpoint_load, productive, "
-                                "checkpoint_save, redone, failed, hang, backoff, held); adds up to their wall time",
+                                "checkpoint_save, emergency_save, redone, failed, hang, backoff, held); adds up to "
+                                "their wall time",
                                 labels=["bucket"])
     for b in BUCKETS:
         seconds.add_metric([b], round(night.buckets.get(b, 0.0), 3))

@@ -53,6 +53,7 @@ class AttemptView:
     steps_per_s: float | None
     tokens_per_s: float | None
     losses: list[tuple[int, float]] = field(default_factory=list)
+    emergency: dict | None = None   # the emergency_checkpoint event's data (supervisor.hooks.markers.describe)
 
     @property
     def duration_s(self) -> float | None:
@@ -136,6 +137,7 @@ def collect(store: Store, state: StatePaths, job_ids: list[int] | None = None, *
         limits = {e.attempt: (json.loads(e.data) if e.data else {}).get("memory_limit")
                   for e in events if e.kind == "attempt_started"}
         gpu = {e.attempt: json.loads(e.data) for e in events if e.kind == "gpu_telemetry" and e.data}
+        emergency = {e.attempt: json.loads(e.data) for e in events if e.kind == "emergency_checkpoint" and e.data}
         attempts = []
         for a in rows:
             diag = a.json("diagnosis") or {}
@@ -153,7 +155,8 @@ def collect(store: Store, state: StatePaths, job_ids: list[int] | None = None, *
                 decision=dec.get("kind"), next_remedy=dec.get("rung") if dec.get("kind") == "escalate" else None,
                 remedy=a.remedy, resumed_from_step=a.resumed_from_step, max_step=a.max_step,
                 steps_lost=a.steps_lost, peak_host=a.peak_rss_bytes, host_limit=limits.get(a.number),
-                peak_gpu=peak_gpu, gpu_capacity=cap, steps_per_s=a.steps_per_s, tokens_per_s=a.tokens_per_s))
+                peak_gpu=peak_gpu, gpu_capacity=cap, steps_per_s=a.steps_per_s, tokens_per_s=a.tokens_per_s,
+                emergency=emergency.get(a.number)))
         view = JobView(job.id, job.name, str(job.state), job.reason,
                        next((a.total_steps for a in reversed(rows) if a.total_steps), None), attempts)
         view.goodput = _goodput(store, job, now)
@@ -361,7 +364,8 @@ def _throughput_panel(axt, job: JobView, colors: list[str]) -> None:
 
 # Goodput buckets, in the order they stack (kept work first, then the cost of failures, then waits).
 BUCKET_COLORS = {
-    "productive": "#2ca02c", "checkpoint_save": "#9467bd", "checkpoint_load": "#1f77b4", "startup": "#aec7e8",
+    "productive": "#2ca02c", "checkpoint_save": "#9467bd", "emergency_save": "#c5b0d5", "checkpoint_load": "#1f77b4",
+    "startup": "#aec7e8",
     "redone": "#ff7f0e", "failed": "#d62728", "hang": "#8c1c13", "backoff": "#e7ba52", "waiting_gpus": "#7f7f7f",
     "queued": "#c7c7c7", "held": "#525252",
 }
@@ -472,15 +476,33 @@ def night_rows(night: Night) -> list[list[str]]:
 
 def attempt_rows(job: JobView) -> list[list[str]]:
     rows = [["#", "started", "duration", "ran with", "resumed at", "reached", "outcome", "then",
-             "steps lost", "peak host / limit", "peak GPU", "throughput"]]
+             "steps lost", "emergency save", "peak host / limit", "peak GPU", "throughput"]]
     for a in job.attempts:
         then = a.next_remedy or a.decision or "-"
         rows.append([str(a.number), _ts(a.started_at), _dur(a.duration_s), a.remedy or "as submitted",
                      "-" if a.resumed_from_step is None else f"step {a.resumed_from_step}",
                      "-" if a.max_step is None else f"step {a.max_step}", a.outcome, then,
-                     "-" if not a.failed or a.steps_lost is None else str(a.steps_lost),
+                     "-" if not a.failed or a.steps_lost is None else str(a.steps_lost), _emergency(a.emergency),
                      f"{_gib(a.peak_host)} / {_gib(a.host_limit)}", _gib(a.peak_gpu), _rate(a)])
     return rows
+
+
+def _emergency(e: dict | None) -> str:
+    """'step 7 in 0.6 s, OOM on rank 1 of 2 (node-b)'; 'none (not_attempted)'; '-' when the hook said nothing."""
+    if not e:
+        return "-"
+    if e.get("outcome") == "saved":
+        took = e.get("seconds")
+        out = f"step {e.get('step')}" + (f" in {took:g} s" if isinstance(took, int | float) else "")
+    elif e.get("outcome") == "already_saved":
+        out = f"step {e.get('step')} (the regular save)"
+    else:
+        out = f"none ({e.get('outcome')})"
+    if e.get("oom_rank") is not None:
+        out += f", OOM on rank {e['oom_rank']}" + (f" of {e['world_size']}" if e.get("world_size") else "")
+    if e.get("node"):
+        out += f" ({e['node']})"
+    return out
 
 
 def outage_lines(night: Night) -> list[str]:

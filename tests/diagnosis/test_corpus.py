@@ -49,3 +49,19 @@ def test_at_least_thirty_percent_is_held_out():
     parts = Counter(part_of(yaml.safe_load(s.read_text())["thread"]) for s in SIDECARS)
     assert parts["heldout"] / len(SIDECARS) >= 0.30, parts
     assert HELDOUT_PERCENT >= 30
+
+
+WATCHDOG = {"returncode": -9, "signal": "SIGKILL", "stopped_by": "hang"}
+
+
+def test_a_hang_is_scored_with_the_watchdogs_record_and_nothing_else_carries_a_stop():
+    """A log that just stops says nothing a reader can act on: the daemon decides a hang from no
+    progress over time and writes that into the exit record. The corpus gives hang excerpts that
+    record (the input the diagnosis really has) and no other excerpt a stop of the daemon's (an exit
+    status its thread showed is fine), so the record never becomes a hint that the label chose."""
+    for sidecar in SIDECARS:
+        side = yaml.safe_load(sidecar.read_text())
+        if side["expect"]["category"] == "hang":
+            assert side.get("exit") == WATCHDOG, sidecar.name
+        else:
+            assert "stopped_by" not in (side.get("exit") or {}), sidecar.name

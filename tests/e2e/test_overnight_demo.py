@@ -20,7 +20,7 @@ from supervisor.demo.run import (
 )
 from supervisor.run.limits import detect_cgroup
 
-from ..conftest import DaemonProc, drop, pids_with_marker, write_config
+from ..conftest import QUIET_OMP, DaemonProc, drop, pids_with_marker, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]
 
@@ -36,6 +36,7 @@ def run_demo(tmp_path: Path, *, cgroups: str, limit: str, save_steps: int = 4) -
     CACHE.mkdir(parents=True, exist_ok=True)
     (root / "cache").symlink_to(CACHE)
     job = demo_job(root, memory_limit=limit, launcher=default_launcher(), save_steps=save_steps)
+    job["supervisor"]["env"].update(QUIET_OMP)
     d = DaemonProc(tmp_path / "state", tmp_path / "spool",
                    write_config(tmp_path / "daemon.yaml", cgroups=cgroups, stop_grace=10, poll_interval=0.2),
                    tmp_path / "daemon.log")
@@ -122,6 +123,7 @@ def test_overnight_run_survives_a_real_oom_rlimit(tmp_path):
     (root2 / "work").mkdir(parents=True)
     (root2 / "cache").symlink_to(CACHE)
     job2 = demo_job(root2, memory_limit=DEMO_RLIMIT, launcher=default_launcher(), save_steps=DEMO_SAVE_STEPS)
+    job2["supervisor"]["env"].update(QUIET_OMP)
     d2 = DaemonProc(d.state, d.spool, d.config, tmp_path / "daemon2.log").start()
     try:
         drop(d2.spool, "demo-again.yaml", yaml.safe_dump(job2))

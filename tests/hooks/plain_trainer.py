@@ -9,7 +9,8 @@ fixed random token ids. The OOMs are PyTorch's real CPU-allocator failure: an al
 Run under torchrun for the multi-rank case (`--oom-rank R` limits the OOM to rank R) and for
 `--deepspeed CONFIG` (the Trainer then builds torch's AdamW, which DeepSpeed steps inside
 `engine.step()`: --oom-optimizer then fails in the K-th `torch.optim.AdamW.step`, after it).
-`--freeze-rank0` stops rank 0 (SIGSTOP) right before the OOM.
+`--freeze-rank0` stops rank 0 (SIGSTOP) right before the OOM. `--stamp-oom FILE` appends
+`<rank> <time.time()>` to FILE right before the OOM is raised (bench/bench_multirank_save.py).
 Prints `LOSS <step> <loss>` per logged step and exits 0 when training ends.
 """
 
@@ -17,6 +18,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -36,6 +38,7 @@ p.add_argument("--freeze-rank0", action="store_true", help="under torchrun: the 
                "rank 0 (SIGSTOP; its pid in <out>.rank0.pid): a rank that can never answer")
 p.add_argument("--rank-seed", action="store_true", help="each rank reseeds torch at train begin (1000 + rank): "
                "the ranks' dropout draws differ, so every rank's own RNG file matters for an exact resume")
+p.add_argument("--stamp-oom", default=None, help="append '<rank> <wall time>' to this file right before the OOM")
 p.add_argument("--resume", default=None)
 p.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (run under torchrun)")
 a = p.parse_args()
@@ -53,6 +56,9 @@ def oom():
     if a.freeze_rank0:
         with open(f"{a.out}.rank0.pid") as fh:
             os.kill(int(fh.read()), signal.SIGSTOP)
+    if a.stamp_oom:
+        with open(a.stamp_oom, "a") as fh:
+            fh.write(f"{RANK} {time.time():.6f}\n")
     torch.empty(1 << 50, dtype=torch.uint8)  # RuntimeError: DefaultCPUAllocator: can't allocate memory
 
 

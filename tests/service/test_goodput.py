@@ -150,3 +150,40 @@ def test_step_marks_are_thinned_to_a_bounded_list_keeping_the_newest():
     m.saves.append([5.0, None, "x"])
     m.on_step(10_001.0, 10_000)  # the same step again: no new point, but a pending save ends
     assert m.saves[-1][1] == 10_001.0 and m.steps[-1][0] == 10_000
+
+
+EMERGENCY_LOG = Path(__file__).resolve().parents[1] / "fixtures" / "emergency" / "ddp2_rank1_saved.log"
+
+
+def test_an_emergency_save_is_its_own_bucket_not_failed_time():
+    """A real 2-rank DDP log (rank 1 OOMed in step 8, wrote checkpoint-7 alone, 'saved in 0.6 s'),
+    with the Trainer's 'Saving model checkpoint' line a LLaMA-Factory job prints inside it, read
+    up to the 'saving' line at 100 s and the rest at 100.4 s: the save began 0.6 s before its
+    result line (the other rank's RNG answer came before the 'saving' line), and the Trainer's
+    save inside it ends with it."""
+    lines = EMERGENCY_LOG.read_text().replace("@OUT@", "/w/out").splitlines(keepends=True)
+    at = next(i for i, ln in enumerate(lines) if "emergency checkpoint: saving step 7" in ln)
+    lines.insert(at + 1, "[INFO|trainer.py:4021] Saving model checkpoint to /w/out/tmp-checkpoint-7/checkpoint-7\n")
+    m = TimingMarks()
+    m.on_text(100.0, "".join(lines[:at + 1]).encode())
+    m.on_text(100.4, "".join(lines[at + 1:]).encode())
+    end = 100.4
+    assert len(m.emergency) == 1 and abs(m.emergency[0][0] - (end - 0.6)) < 1e-9 and m.emergency[0][1] == end
+    assert m.saves[-1][1] == end
+    marks = Marks.from_dict(m.to_dict())
+    assert marks.emergency == ((end - 0.6, end),)
+    # Steps 1-7 one second each, the OOM in step 8, every rank gone 4 s after the save.
+    a = AttemptSpan(1, 0, end + 4, "host_oom", None, 7, 7, marks=Marks(steps=steps(1, 7, 1), saves=marks.saves,
+                                                                          emergency=marks.emergency))
+    g = job_goodput(JobRecord(1, "ddp", 0, ((0, "running"), (end + 4, "failed")), (a,)), now=end + 4)
+    assert_adds_up(g)
+    b = g.total.buckets
+    assert abs(b["emergency_save"] - 0.6) < 1e-9 and b["productive"] == 7 and b["redone"] == 0
+    assert abs(b["failed"] - (end + 4 - 8 - 0.6)) < 1e-9 and b["checkpoint_save"] == 0
+    # The process killed during the save: no result line, the save lasts to the attempt's end.
+    cut = TimingMarks()
+    cut.on_text(5.0, lines[at].encode())
+    assert cut.emergency == [[5.0, None]]
+    a2 = AttemptSpan(1, 0, 9, "host_oom", None, 4, 4, marks=Marks(steps=steps(1, 4, 1), emergency=((5.0, None),)))
+    assert job_goodput(JobRecord(1, "k", 0, ((0, "running"), (9, "failed")), (a2,)), now=9).total.buckets[
+        "emergency_save"] == 4

@@ -16,7 +16,7 @@ import yaml
 
 from supervisor.run import slurm as sl
 
-from ..conftest import DaemonProc, command_job, drop, write_config
+from ..conftest import QUIET_OMP, DaemonProc, command_job, drop, write_config
 from .conftest import wait_terminal
 
 
@@ -120,6 +120,7 @@ def test_the_demo_night_runs_on_slurm(slurm, tmp_path):
     CACHE.mkdir(parents=True, exist_ok=True)
     (root / "cache").symlink_to(CACHE)
     job = demo_job(root, memory_limit=DEMO_CGROUP_LIMIT, launcher=default_launcher())
+    job["supervisor"]["env"].update(QUIET_OMP)
     d = slurm_daemon(tmp_path).start()
     try:
         drop(d.spool, "demo.yaml", yaml.safe_dump(job))

@@ -28,7 +28,7 @@ import yaml
 
 from supervisor.run import slurm as sl
 
-from ..conftest import pids_with_marker
+from ..conftest import QUIET_OMP, pids_with_marker
 from ..conftest_ml import CACHE, VENV_BIN, needs_llamafactory
 from .test_slurm_multinode import events, two_node_daemon
 
@@ -69,7 +69,7 @@ def test_a_two_node_night_oom_on_node2_remedy_resume_and_readoption(slurm2, tmp_
         # with map_location=args.device, which accelerate makes `cpu:0` on a CPU run, and torch.load
         # cannot restore "cpu:0" ("don't know how to restore data location ... (tagged with cpu:0)",
         # seen here on the resume). "cpu" is the same device. Not an issue on GPUs (cuda:N).
-        "env": {**DEMO_ENV, "NPROC_PER_NODE": "1", "ACCELERATE_TORCH_DEVICE": "cpu",
+        "env": {**DEMO_ENV, **QUIET_OMP, "NPROC_PER_NODE": "1", "ACCELERATE_TORCH_DEVICE": "cpu",
                 "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"},
         "slurm": {"nodes": 2, "mem": "8G"},
     }

@@ -69,7 +69,8 @@ _RANK_ANYWHERE_RE = re.compile(r"\[(?:rank|default)(\d+)\]:|\[(?:PG [^\]]*?)?Ran
 _EXC_RE = re.compile(
     # a leading "." : the class of a dotted path whose module part another process's write split off
     # ("pydantic.error_wrappers  File ..." / ".ValidationError: 3 validation errors for ...")
-    r"^\.?(?P<exc>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
+    # Python's base class itself (`raise Exception("...")`: DeepSpeed's loss scaler, many scripts)
+    r"^\.?(?P<exc>(?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)|Exception(?=:))"
     # any CamelCase class with a module path: triton.runtime.errors.OutOfResources
     r"|(?:[a-z_][a-z0-9_]*\.)+[A-Z][a-z0-9]+[A-Z]\w*"
     # the stdlib's lowercase socket errors (socket.gaierror: a failed name lookup)

@@ -100,16 +100,40 @@ class ProgressReading:
         if step is None:
             return
         line = base + nlines - buf.count(b"\n", p, end) + 1
-        if self._last_step is None or step > self._last_step:
-            self._last_advance_line = max(self._last_advance_line, line)
+        reached = self._step_reached_at(buf, start, p, step)
+        if reached is None:
+            self._bump_step(step)
+            self._last_bar_line = max(self._last_bar_line, line)
+            return
+        reached_line = base + nlines - buf.count(b"\n", reached, end) + 1
+        self._last_advance_line = max(self._last_advance_line, reached_line)
         self._bump_step(step)
         self._last_bar_line = max(self._last_bar_line, line)
         for w in self._watch:
             # No step known at the OOM (the bar's total not seen yet) counts as "before step 0":
             # whether the total was learnt from this chunk or a later one must not change the answer.
-            if not w.recovered and line > w.line_no and (w.step_before is None or step > w.step_before):
+            # The step must have grown after it: a bar reprinted at the step it had is not progress.
+            if not w.recovered and reached_line > w.line_no and (w.step_before is None or step > w.step_before):
                 w.recovered = True
                 w.notes.append(f"training continued to step {step} afterwards")
+
+    def _step_reached_at(self, buf: bytes, start: int, p: int, step: int) -> int | None:
+        """Where the bar first showed `step` (the last bar of this read, at `p`), when the step grew to it:
+        past the step known before, or past an earlier bar of this read. A bar a dying process reprints
+        (tqdm's close, another rank's refresh) shows where the run stopped, not that it went on."""
+        at = p
+        for _ in range(64):  # the same step reprinted: walk back to where it was reached
+            q = buf.rfind(self._needle, start, at)
+            prev = _digits_before(buf, q, start) if q >= 0 else None
+            if prev != step:
+                grew = prev is not None and prev < step
+                break
+            at = q
+        else:
+            return None
+        if self._last_step is not None:
+            return at if step > self._last_step else None
+        return at if grew else None
 
     def _floor(self) -> int:
         """Where backward searches for the bar may start: not before the total became known."""

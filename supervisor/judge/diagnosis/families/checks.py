@@ -34,7 +34,8 @@ _KEY = (r"(?:`[^`\s]{2,80}`|(?<![\w-])--?[A-Za-z][\w.-]+|'[A-Za-z_][\w.-]*'|\"[A
 # What the check requires of it.
 _REQUIRE = (r"(?:\b(?:must|should|has to|have to|needs? to)(?: not)? (?:be|have|match|equal|contain|use|set|specify|provide"
             r"|pass|either|only|all|both|a|an|greater|less|at)\b|\bcannot be (?:used|combined|set|specified|enabled)\b"
-            r"|\bcan(?:'t| not|not) (?:be used|use|both|specify|set|enable|train|run|load|find|mix|combine)\b"
+            r"|\bcan(?:'t| not|not) (?:be used|use|both|specify|set|enable|train|run|load|find|mix|combine|pass)\b"
+            r"|\bat the same time\b|\brequires? (?=--?[A-Za-z]|`)"
             r"|\bcan only (?:work|be used|be|use)\b|\bdoes(?:n't| not) support\b|\brequires? (?:you|a|an|the|at least|to)\b"
             r"|\bis not (?:supported|allowed|compatible|available|valid|recognized)\b"
             r"|\bare not (?:supported|allowed|compatible)\b|\bnot supported (?:for|with|when|by|in|yet)\b"
@@ -64,8 +65,11 @@ _BUG_RE = re.compile(r"values to unpack|torch\.Size|(?<!\w)[Tt]ensors?\b|\w+Tens
                      r"|CUDA error|cuDNN|cuBLAS|CUBLAS|NCCL|\bHIP\b|\bkernel\b|device-side|illegal memory|scalar type"
                      r"|c10::|\bmat\d\b|same dtype|\bchannels\b"
                      r"|\bgrad(?:ient)?s?\b|backward|autograd|\bgraph\b|in-place|inplace|\barray\b"
-                     # transformers' Auto classes on a release that lacks the model: a version mismatch
-                     r"|is not currently imported|for this kind of AutoModel|does not recognize this architecture")
+                     # transformers' Auto classes on a release (or remote code) that lacks the model: a version
+                     # mismatch; "Unrecognized configuration class" is every Auto factory's refusal (auto_factory,
+                     # tokenization_auto, processing_auto, image_processing_auto)
+                     r"|is not currently imported|for this kind of AutoModel|does not recognize this architecture"
+                     r"|Unrecognized configuration class")
 
 
 def says_config_check(msg: str) -> bool:

@@ -106,10 +106,12 @@ _CONFIG_OBJECT_ATTR_RE = re.compile(r"'(?:ConfigDict|EasyDict|AttrDict|CfgNode|C
 
 
 # A class a framework raises only for its configuration or arguments (allennlp's ConfigurationError,
-# argparse's ArgumentError, click's BadParameter, hydra's InstantiationException, any *ConfigError).
+# argparse's ArgumentError, click's BadParameter, hydra's InstantiationException, any *ConfigError, and a
+# Misconfiguration wherever it sits in the name: Lightning's MisconfigurationException, NeMo's
+# LoggerMisconfigurationError / CheckpointMisconfigurationError).
 _CHECK_CLASS_RE = re.compile(r"^(?:[A-Z]\w*)?(?:Config|Configuration)(?:Validation)?(?:Error|Exception)$"
                              r"|^(?:Argument|Arguments|ArgumentType|Setting|Settings|Option|Options|Parameter|HParams?"
-                             r"|Usage)(?:Error|Exception)$|^Misconfiguration|^Instantiation|^MissingConfig|^BadParameter$"
+                             r"|Usage)(?:Error|Exception)$|^\w*Misconfigur\w*(?:Error|Exception)$|^Instantiation|^MissingConfig|^BadParameter$"
                              r"|^ValidationError$")
 
 

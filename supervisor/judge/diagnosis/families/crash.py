@@ -42,10 +42,13 @@ _NOT_A_CAUSE = {"ChildFailedError", "KeyboardInterrupt", "SystemExit"}
 # launcher's CalledProcessError for the training interpreter it ran (accelerate's simple_launcher), not a
 # build tool's (ninja, nvcc, make: their own output says what failed).
 _RELAYED_DEATHS = frozenset({"RayActorError", "ActorDiedError", "WorkerCrashedError", "LocalRayletDiedError",
-                             # torch.multiprocessing.spawn: "process %d terminated with exit code %d"
+                             # torch.multiprocessing.spawn's join(): a child that exited without a Python error
                              "ProcessExitedException",
                              # torchrun's agent sent a signal from outside (SIGTERM, SIGHUP): stopped, not failed
                              "SignalException"})
+# ...which older torch raised as a bare Exception with the same words (spawn.py: "process %d terminated with
+# signal %s" / "... with exit code %d"); a child's own error comes as ProcessRaisedException with its traceback.
+_SPAWN_EXIT_RE = re.compile(r"^process \d+ terminated with (?:signal \w+|exit code -?\d+)")
 _LAUNCHED_CMD_RE = re.compile(r"Command '\[?'?(?:\S*/)?(?:python[\d.]*|torchrun|accelerate|deepspeed|llamafactory-cli"
                               r"|bash|sh|srun|mpirun|conda|uv)'?[,\]' ]")
 
@@ -70,7 +73,8 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
         hits.append(Hit("launch_failed", Category.CONFIG_ERROR, MARKER, "launch_failed"))
 
     if exc_form and not hits:
-        if exc in _RELAYED_DEATHS or (exc == "CalledProcessError" and _LAUNCHED_CMD_RE.search(t)):
+        if exc in _RELAYED_DEATHS or (exc == "CalledProcessError" and _LAUNCHED_CMD_RE.search(t)) or (
+                exc == "Exception" and _SPAWN_EXIT_RE.match(seg.exc_msg or "")):
             hits.append(Hit("child_failed", Category.CRASH_OTHER, MARKER, "launcher_summary", exc=seg.exc))
         elif exc == "KeyboardInterrupt":
             hits.append(Hit("interrupted", Category.CRASH_OTHER, CRASH, "interrupted", exc=seg.exc))
