@@ -528,6 +528,55 @@ class LogScanner(StreamReading, ProgressReading):
         else:
             self._scale_run = (1, new, line_no, line_no)
 
+    def _reread_by_frames(self, hit: Hit, seg: Segment, line_no: int, structural: bool,
+                          frames: list | None) -> tuple[Hit, list[str]]:
+        """What the frames above an exception say it is (an argument check, a config check, the
+        network, the c10d store, pinned host memory) and where in DeepSpeed it was raised."""
+        notes: list[str] = []
+        if frames:
+            paths = " ".join(p for _, p in frames)
+            funcs = " ".join(f for f, _ in frames)
+            if hit.rule == "driver_oom" and _PINNED_RE.search(funcs + " " + paths):
+                hit = Hit("pinned_host_oom", Category.HOST_OOM, hit.tier, "pinned", fatal=True, vendor="cpu", exc=hit.exc)
+            if hit.rule == "python_exception" and structural and (
+                    _CONFIG_FRAME_RE.search(frames[-1][1]) or checks.raised_at_config_frame(hit.exc, *frames[-1])):
+                # Raised while the arguments were parsed or validated (LLaMA-Factory's parser, HfArgumentParser).
+                hit = Hit("invalid_arguments", Category.CONFIG_ERROR, rules.ROOT, "invalid_arguments", exc=hit.exc)
+            elif hit.rule == "python_exception" and structural and self._check_code is not None and (
+                    checks.raised_by_check_code(hit.exc, self._check_code, seg.rank, line_no, frames[-1][1])):
+                hit = Hit("config_check", Category.CONFIG_ERROR, rules.ROOT, "invalid_config", exc=hit.exc)
+            elif hit.rule == "python_exception" and structural:
+                hit = network_frame(hit.exc, frames[-1][1]) or store_frame(hit.exc, *frames[-1]) or hit
+            if "deepspeed/runtime/zero" in paths or "deepspeed/runtime/swap_tensor" in paths:
+                if "partition_parameters" in paths or "all_gather" in funcs or "fetch_sub_module" in funcs:
+                    notes.append("inside DeepSpeed ZeRO-3 parameter gather")
+                elif "swap_tensor" in paths or "offload" in funcs or "pin_memory" in funcs or hit.subkind == "pinned":
+                    notes.append("inside DeepSpeed ZeRO offload")
+                else:
+                    notes.append("inside DeepSpeed ZeRO")
+        return hit, notes
+
+    def _phase_of(self, seg: Segment, frames: list | None, form: str, line_no: int, buf: bytes,
+                  ls: int) -> Phase | None:
+        """The run's phase at a finding: its traceback's frames, else the traceback just before
+        (a C++ abort right after it), else the log's context around the line."""
+        phase = None
+        if seg.exc is not None:
+            tb_phases = self._tb_phases.get(seg.rank) or (self._tb_phases.get(None) if seg.rank is not None else None)
+            phase = next((p for p in PHASE_PRECEDENCE if tb_phases and p in tb_phases), None)
+            if phase is None and frames:
+                phase = self._phase_from_frames(frames)
+        if seg.exc is not None and phase is not None:
+            self._last_tb_phase[seg.rank] = (line_no, phase)
+        if phase is None and form:
+            # A C++ abort right after a Python traceback of the same process happened where that one did.
+            prev = self._last_tb_phase.get(seg.rank) or self._last_tb_phase.get(None)
+            if prev is not None and 0 <= line_no - prev[0] <= 10:
+                phase = prev[1]
+        if phase is None:
+            phase = self._context_phase(buf, ls, line_no)
+        return phase
+
     def _record(self, hit: Hit, seg: Segment, line_no: int, buf: bytes, ls: int, fatal: list[Evidence],
                 form: str = "") -> None:
         """Keep a hit as a finding. `form` says how the line stands (see _structural): any form is
@@ -552,43 +601,8 @@ class LogScanner(StreamReading, ProgressReading):
             if rank is None and "exitcode" in seg.text:
                 rank = self._torchrun_rank
         frames = self._frames.get(seg.rank) or (self._frames.get(None) if seg.rank is not None else None)
-        notes: list[str] = []
-        if frames:
-            paths = " ".join(p for _, p in frames)
-            funcs = " ".join(f for f, _ in frames)
-            if hit.rule == "driver_oom" and _PINNED_RE.search(funcs + " " + paths):
-                hit = Hit("pinned_host_oom", Category.HOST_OOM, hit.tier, "pinned", fatal=True, vendor="cpu", exc=hit.exc)
-            if hit.rule == "python_exception" and structural and (
-                    _CONFIG_FRAME_RE.search(frames[-1][1]) or checks.raised_at_config_frame(hit.exc, *frames[-1])):
-                # Raised while the arguments were parsed or validated (LLaMA-Factory's parser, HfArgumentParser).
-                hit = Hit("invalid_arguments", Category.CONFIG_ERROR, rules.ROOT, "invalid_arguments", exc=hit.exc)
-            elif hit.rule == "python_exception" and structural and self._check_code is not None and (
-                    checks.raised_by_check_code(hit.exc, self._check_code, seg.rank, line_no, frames[-1][1])):
-                hit = Hit("config_check", Category.CONFIG_ERROR, rules.ROOT, "invalid_config", exc=hit.exc)
-            elif hit.rule == "python_exception" and structural:
-                hit = network_frame(hit.exc, frames[-1][1]) or store_frame(hit.exc, *frames[-1]) or hit
-            if "deepspeed/runtime/zero" in paths or "deepspeed/runtime/swap_tensor" in paths:
-                if "partition_parameters" in paths or "all_gather" in funcs or "fetch_sub_module" in funcs:
-                    notes.append("inside DeepSpeed ZeRO-3 parameter gather")
-                elif "swap_tensor" in paths or "offload" in funcs or "pin_memory" in funcs or hit.subkind == "pinned":
-                    notes.append("inside DeepSpeed ZeRO offload")
-                else:
-                    notes.append("inside DeepSpeed ZeRO")
-        phase = None
-        if seg.exc is not None:
-            tb_phases = self._tb_phases.get(seg.rank) or (self._tb_phases.get(None) if seg.rank is not None else None)
-            phase = next((p for p in PHASE_PRECEDENCE if tb_phases and p in tb_phases), None)
-            if phase is None and frames:
-                phase = self._phase_from_frames(frames)
-        if seg.exc is not None and phase is not None:
-            self._last_tb_phase[seg.rank] = (line_no, phase)
-        if phase is None and form:
-            # A C++ abort right after a Python traceback of the same process happened where that one did.
-            prev = self._last_tb_phase.get(seg.rank) or self._last_tb_phase.get(None)
-            if prev is not None and 0 <= line_no - prev[0] <= 10:
-                phase = prev[1]
-        if phase is None:
-            phase = self._context_phase(buf, ls, line_no)
+        hit, notes = self._reread_by_frames(hit, seg, line_no, structural, frames)
+        phase = self._phase_of(seg, frames, form, line_no, buf, ls)
         text = _BAR_PREFIX_RE.sub("", seg.raw).strip() or seg.raw.strip()
         if len(text) > EVIDENCE_CHARS:
             text = text[:EVIDENCE_CHARS] + "..."
