@@ -1,0 +1,80 @@
+"""The emergency checkpoint of a sharded run: DeepSpeed ZeRO on 2 CPU ranks under real torchrun (gloo).
+
+No rank holds the whole optimizer state, so every rank must write its own shard of the last
+finished step while the failing rank's peer waits in a collective the failing rank will never
+join (sharded.py: told through torchrun's store, its gloo connections broken, a fresh gloo
+backend in each existing process group, then DeepSpeed's own save on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.hooks.markers import parse_emergency
+from supervisor.run.checkpoints import scan_output_dir
+from tests.hooks.test_emergency_ddp import NOTE, close, torchrun
+from tests.hooks.test_emergency_plain import SAVED_RE, losses, markers, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.ml]
+
+# LLaMA-Factory's own preset (examples/deepspeed/ds_z2_config.json, v0.9.5).
+DS_Z2 = Path(__file__).resolve().parents[1] / "fixtures" / "llamafactory-v0.9.5" / "examples" / "deepspeed" / \
+    "ds_z2_config.json"
+
+
+@pytest.fixture(scope="module")
+def ds_env():
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"deepspeed not importable: {e}")
+    from tests.conftest_ml import CACHE
+
+    return {"TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions")}
+
+
+def test_zero2_forward_oom_on_rank_1_every_rank_saves_its_shard_and_a_resume_is_exact(tmp_path, ds_env):
+    ds = ("--deepspeed", str(DS_Z2), "--rank-seed")
+    rc, ref = run(tmp_path / "ref", *ds, hook=None, launcher=torchrun(29591), env_extra=ds_env, timeout=400)
+    assert rc == 0, ref[-3000:]
+    out = tmp_path / "out"
+    # Rank 1's 16th forward is the second micro-batch of step 8: steps 6 and 7 are newer than checkpoint-5.
+    # Rank 0 is then in (or about to enter) the gradient reduction of step 8, which rank 1 never joins.
+    t0 = time.monotonic()
+    rc, log = run(out, *ds, "--oom-forward", "16", "--oom-rank", "1", "--oom-type", "cuda",
+                  launcher=torchrun(29592), env_extra=ds_env, timeout=400)
+    took = time.monotonic() - t0
+    assert rc != 0 and "torch.OutOfMemoryError: CUDA out of memory." in log, log[-3000:]
+    saved = SAVED_RE.search(log)
+    assert saved and saved[1] == "7" and saved[2] == str(out / "checkpoint-7"), markers(log)
+    em = parse_emergency(log.splitlines())
+    assert (em.outcome, em.step, em.path) == ("saved", 7, str(out / "checkpoint-7")), em
+    scan = scan_output_dir(out, expected_world_size=2)
+    assert [(c.step, c.zero_stage) for c in scan.complete] == [(5, 2), (7, 2)] and scan.incomplete == ()
+    assert not list(out.glob("tmp-*"))
+    ck = out / "checkpoint-7"
+    assert (ck / "latest").read_text().strip() == "global_step7"
+    shards = sorted(p.name for p in (ck / "global_step7").iterdir())
+    assert shards == sorted(p.name for p in (out / "checkpoint-5" / "global_step5").iterdir())
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(shards)
+    regular = {p.name for p in (out / "checkpoint-5").iterdir()}
+    assert {p.name for p in ck.iterdir()} == regular | {NOTE}  # a regular 2-rank save's files
+    note = json.loads((ck / NOTE).read_text())
+    assert (note["step"], note["failing_rank"], note["shards_from_ranks"]) == (7, 1, [0, 1]), note
+    print(f"ZeRO-2 OOM run {took:.0f} s; save {note['save_s']} s (ranks out of the stuck collective and on a "
+          f"fresh backend after {note['regroup_s']} s)")
+
+    rc, log2 = run(out, *ds, "--resume", str(ck), launcher=torchrun(29593), env_extra=ds_env, timeout=400)
+    assert rc == 0, log2[-3000:]
+    got = {**losses(log), **losses(log2)}
+    assert sorted(got) == list(range(1, 13))  # 0 finished steps lost
+    want = losses(ref)
+    assert close(got, want), (got, want)
+    print("max relative loss delta vs the uninterrupted run:",
+          max(abs(got[k] - want[k]) / abs(want[k]) for k in got))
+    assert math.isfinite(got[12])
