@@ -90,6 +90,11 @@ def install(trainer_module):
             return original(self, *args, **kwargs)
         except BaseException as exc:
             kind = oom_kind(exc)
+            if kind is None and not tracker.handled and tracker.emergency is not None:
+                tracker.handled = True  # another rank's OOM broke this rank's collective on purpose
+                from . import sharded
+
+                sharded.on_broken(self, tracker, exc)  # writes this rank's shard, then waits to be ended
             if kind is None or tracker.handled:
                 raise
             tracker.handled = True  # one emergency save per process, even if the caller retries
@@ -165,16 +170,19 @@ def _make_tracker(trainer):
             self.finished = 0  # optimizer steps finished in this process
             self.unsafe = None  # why the optimizer/parameter state may be half-updated, or None
             self.snap = None
-            self.watcher = None  # answers a replica's emergency save (several ranks; replica.py)
+            self.watcher = None  # answers a replica's (replica.py) or a sharded (sharded.py) emergency save
+            self.emergency = None  # set by a sharded run's watcher: another rank's OOM asked this rank in
 
         def on_train_begin(self, args, state, control, **kw):
             self.started_at, self.finished, self.unsafe = state.global_step, 0, None
             world = _world_size(trainer)
             if world > 1 and self.watcher is None:
-                from . import replica
+                from . import replica, sharded
 
                 if replica.sharded(trainer) is None:
                     self.watcher = replica.start(world)
+                elif sharded.supported(trainer):
+                    self.watcher = sharded.start(world, self)
             if getattr(trainer, "is_deepspeed_enabled", False):
                 # accelerate runs DeepSpeed's optimizer step inside backward (engine.step())
                 _watch_step(getattr(trainer, "model_wrapped", None), trainer, self)
@@ -289,13 +297,16 @@ def on_oom(trainer, tracker, exc, kind):
 
 def _on_oom_replica(trainer, tracker, exc, step, world, what):
     """Several ranks: this rank writes checkpoint-N alone when the state is a replica (replica.py)."""
-    from . import replica
+    from . import replica, sharded
 
     rank = replica._rank()
     who = f"rank {rank} of {world}"
     last = "the last regular checkpoint is the resume point"
     why = replica.sharded(trainer)
-    if why is None and tracker.watcher is None:
+    shards = why is not None and sharded.supported(trainer)  # every rank writes its own shard (sharded.py)
+    if shards:
+        why = None
+    elif why is None and tracker.watcher is None:
         why = "no store to reach the other ranks' RNG state (see the hook's warning at start)"
     if why is not None:
         say(f"no emergency checkpoint: {what} on {who}: {why}; {last}")
@@ -314,6 +325,9 @@ def _on_oom_replica(trainer, tracker, exc, step, world, what):
     final = _final_dir(trainer, step)
     if _regular_save_done(final, budget / 4):
         say(f"emergency checkpoint at step {step}: {final} (already saved by the regular schedule)")
+        return
+    if shards:
+        sharded.on_oom(trainer, tracker, exc, step, (rank, world, what, freed))
         return
     channel = tracker.watcher.channel
     if channel.store.add(channel.key("claim", step), 1) > 1:  # another failing rank writes it: wait, then exit
