@@ -30,8 +30,10 @@ watcher thread of each rank through torchrun's store. The same rules hold (step 
 staging and rename); in addition a rank that does not answer within the budget
 (OOM_SUPERVISOR_EMERGENCY_BUDGET_S) means no save, the whole save is bounded by that budget, and
 the rank exits (so torchrun tears the others down) only once the save is done. Two ranks that
-fail at once: the first to claim the step writes, the other waits for it. Sharded state
-(DeepSpeed, FSDP): nothing is saved, and the marker says why.
+fail at once: the first to claim the step writes, the other waits for it. Sharded state,
+DeepSpeed ZeRO-1/2 (sharded.py): every rank writes its own shard through DeepSpeed's own save,
+after the failing rank has told the others through the store and their stuck collective was
+broken on purpose. ZeRO-3, FSDP: nothing is saved, and the marker says why.
 
 Marker lines (stdout, each starting a line of its own; `supervisor.hooks.markers` reads them):
   oom-supervisor: emergency checkpoint: saving step N to <output_dir>/checkpoint-N (after <what>; <freed>)
@@ -40,6 +42,8 @@ Marker lines (stdout, each starting a line of its own; `supervisor.hooks.markers
   oom-supervisor: emergency checkpoint at step N: <path> (saved in <s> s)
   oom-supervisor: emergency checkpoint: rank R of W leaves the save of step N to the rank that claimed it first
   oom-supervisor: emergency checkpoint at step N: <path> (already saved by the regular schedule)
+  oom-supervisor: emergency checkpoint: shards of step N from ranks [0, 1, ...] of W (DeepSpeed ZeRO-S); ...
+  oom-supervisor: emergency checkpoint: rank R of W left its collective (broken on purpose: ...) to write ...
   oom-supervisor: emergency checkpoint at step N failed: <ExceptionType>: <message>
   oom-supervisor: no emergency checkpoint: <why>
 Nothing else is changed: no training setting, no regular save, no rotation of older checkpoints

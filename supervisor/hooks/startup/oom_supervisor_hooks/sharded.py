@@ -60,8 +60,11 @@ from . import emergency, replica, warn
 _LISTEN, _NOT_PORTS = 0x0A, (0,)
 
 
+STAGES = (1, 2)  # ZeRO-3: in-flight parameter gathers of the broken step must be undone first (not built)
+
+
 def supported(trainer):
-    return bool(getattr(trainer, "is_deepspeed_enabled", False))
+    return bool(getattr(trainer, "is_deepspeed_enabled", False)) and replica._zero_stage(trainer) in STAGES
 
 
 def describe(trainer):
