@@ -38,16 +38,25 @@ def ds_env():
     return {"TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions")}
 
 
-def test_zero2_forward_oom_on_rank_1_every_rank_saves_its_shard_and_a_resume_is_exact(tmp_path, ds_env):
-    ds = ("--deepspeed", str(DS_Z2), "--rank-seed")
-    rc, ref = run(tmp_path / "ref", *ds, hook=None, launcher=torchrun(29591), env_extra=ds_env, timeout=400)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_forward_oom_on_rank_1_every_rank_saves_its_shard_and_a_resume_is_exact(tmp_path, ds_env, stage):
+    from tests.conftest_ml import ds_z3
+
+    cfg = DS_Z2
+    if stage == 3:  # LLaMA-Factory's ds_z3_config.json (stage3_gather_16bit_weights_on_model_save: the save gathers)
+        cfg = tmp_path / "z3.json"
+        cfg.write_text(json.dumps(ds_z3(offload=False)))
+    ds = ("--deepspeed", str(cfg), "--rank-seed")
+    port = 29591 + 10 * (stage - 2)
+    rc, ref = run(tmp_path / "ref", *ds, hook=None, launcher=torchrun(port), env_extra=ds_env, timeout=400)
     assert rc == 0, ref[-3000:]
     out = tmp_path / "out"
     # Rank 1's 16th forward is the second micro-batch of step 8: steps 6 and 7 are newer than checkpoint-5.
-    # Rank 0 is then in (or about to enter) the gradient reduction of step 8, which rank 1 never joins.
+    # Rank 0 is then in (or about to enter) a collective rank 1 never joins: ZeRO-2's gradient reduction,
+    # ZeRO-3's parameter gathers of that forward (left in flight: sharded.settle_zero3).
     t0 = time.monotonic()
     rc, log = run(out, *ds, "--oom-forward", "16", "--oom-rank", "1", "--oom-type", "cuda",
-                  launcher=torchrun(29592), env_extra=ds_env, timeout=400)
+                  launcher=torchrun(port + 1), env_extra=ds_env, timeout=400)
     took = time.monotonic() - t0
     assert rc != 0 and "torch.OutOfMemoryError: CUDA out of memory." in log, log[-3000:]
     saved = SAVED_RE.search(log)
@@ -55,7 +64,7 @@ def test_zero2_forward_oom_on_rank_1_every_rank_saves_its_shard_and_a_resume_is_
     em = parse_emergency(log.splitlines())
     assert (em.outcome, em.step, em.path) == ("saved", 7, str(out / "checkpoint-7")), em
     scan = scan_output_dir(out, expected_world_size=2)
-    assert [(c.step, c.zero_stage) for c in scan.complete] == [(5, 2), (7, 2)] and scan.incomplete == ()
+    assert [(c.step, c.zero_stage) for c in scan.complete] == [(5, stage), (7, stage)] and scan.incomplete == ()
     assert not list(out.glob("tmp-*"))
     ck = out / "checkpoint-7"
     assert (ck / "latest").read_text().strip() == "global_step7"
@@ -66,10 +75,10 @@ def test_zero2_forward_oom_on_rank_1_every_rank_saves_its_shard_and_a_resume_is_
     assert {p.name for p in ck.iterdir()} == regular | {NOTE}  # a regular 2-rank save's files
     note = json.loads((ck / NOTE).read_text())
     assert (note["step"], note["failing_rank"], note["shards_from_ranks"]) == (7, 1, [0, 1]), note
-    print(f"ZeRO-2 OOM run {took:.0f} s; from the OOM to checkpoint-7 {em.seconds} s on rank 1; rank 0: save "
+    print(f"ZeRO-{stage} OOM run {took:.0f} s; from the OOM to checkpoint-7 {em.seconds} s on rank 1; rank 0: save "
           f"{note['save_s']} s, of which {note['regroup_s']} s to a fresh backend in {note['groups']} groups")
 
-    rc, log2 = run(out, *ds, "--resume", str(ck), launcher=torchrun(29593), env_extra=ds_env, timeout=400)
+    rc, log2 = run(out, *ds, "--resume", str(ck), launcher=torchrun(port + 2), env_extra=ds_env, timeout=400)
     assert rc == 0, log2[-3000:]
     got = {**losses(log), **losses(log2)}
     assert sorted(got) == list(range(1, 13))  # 0 finished steps lost

@@ -31,9 +31,9 @@ staging and rename); in addition a rank that does not answer within the budget
 (OOM_SUPERVISOR_EMERGENCY_BUDGET_S) means no save, the whole save is bounded by that budget, and
 the rank exits (so torchrun tears the others down) only once the save is done. Two ranks that
 fail at once: the first to claim the step writes, the other waits for it. Sharded state,
-DeepSpeed ZeRO-1/2 (sharded.py): every rank writes its own shard through DeepSpeed's own save,
+DeepSpeed ZeRO-1/2/3 (sharded.py): every rank writes its own shard through DeepSpeed's own save,
 after the failing rank has told the others through the store and their stuck collective was
-broken on purpose. ZeRO-3, FSDP: nothing is saved, and the marker says why.
+broken on purpose. FSDP, DeepSpeed stage 0: nothing is saved, and the marker says why.
 
 Marker lines (stdout, each starting a line of its own; `supervisor.hooks.markers` reads them):
   oom-supervisor: emergency checkpoint: saving step N to <output_dir>/checkpoint-N (after <what>; <freed>)

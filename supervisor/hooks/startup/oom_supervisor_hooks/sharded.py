@@ -34,7 +34,10 @@ The coordinated save:
      registered for a backend type, so the fresh one is registered under type CUSTOM and made
      the default: measured to carry all_reduce, all_gather and barrier on both the default and
      a cloned group after the break.)
-  4. DeepSpeed's and the Trainer's own save, on every rank, staged: into
+  4. ZeRO-3 only: the broken step's parameter gathers stay in flight forever; their handles are
+     forgotten unwaited (`settle_zero3`), or DeepSpeed's save, which first releases every
+     gathered parameter, would wait on them and fail (measured).
+  5. DeepSpeed's and the Trainer's own save, on every rank, staged: into
      `tmp-checkpoint-N/checkpoint-N`, checked by rank 0 (trainer_state.json, `latest`, one
      optimizer shard and one RNG file per rank), then renamed to `checkpoint-N`; a watchdog
      ends every rank once the budget (OOM_SUPERVISOR_EMERGENCY_BUDGET_S) is spent, leaving no
@@ -60,7 +63,7 @@ from . import emergency, replica, warn
 _LISTEN, _NOT_PORTS = 0x0A, (0,)
 
 
-STAGES = (1, 2)  # ZeRO-3: in-flight parameter gathers of the broken step must be undone first (not built)
+STAGES = (1, 2, 3)  # stage 0 keeps the optimizer state in rank 0's model file: replica-like (not built)
 
 
 def supported(trainer):
@@ -117,9 +120,11 @@ def gloo_ports(store):
     return sorted({lp for _fd, st, lp, _rp in _tcp_sockets() if st == _LISTEN and lp not in skip})
 
 
-def break_gloo(store, peer_ports):
-    """Shut down this process's gloo pair sockets: a pending gloo operation fails at once."""
-    mine = set(gloo_ports(store))
+def break_gloo(store, peer_ports, mine=None):
+    """Shut down this process's gloo pair sockets: a pending gloo operation fails at once.
+
+    `mine`: this process's gloo listening ports as reported before any fresh backend existed."""
+    mine = set(gloo_ports(store) if mine is None else mine)
     theirs = set(peer_ports) - {store_port(store), 0}
     shut = 0
     for fd, st, lp, rp in _tcp_sockets():
@@ -139,14 +144,14 @@ def break_gloo(store, peer_ports):
     return shut
 
 
-def break_groups(store, peer_ports):
+def break_groups(store, peer_ports, mine=None):
     """Make every pending collective of this process fail; returns what was done, in words."""
     from torch.distributed import distributed_c10d as c10d
 
     nccl = [pg for pg in list(c10d._world.pg_map) if _backend_name(pg) == "nccl"]
     for pg in nccl:  # ncclCommAbort: the documented way out of a stuck NCCL/RCCL collective
         pg.abort()
-    shut = break_gloo(store, peer_ports)
+    shut = break_gloo(store, peer_ports, mine)
     parts = [f"{shut} gloo connection(s) shut down"]
     if nccl:
         parts.append(f"{len(nccl)} NCCL communicator(s) aborted")
@@ -206,8 +211,9 @@ class Watcher(replica.Watcher):
         decision = wait_json(ch, ch.key(req["nonce"], "decision"), time.monotonic() + float(req["budget_s"]))
         if decision is None or not decision.get("go"):
             return
-        self.tracker.emergency["decision"] = decision
-        self.tracker.emergency["broke"] = break_groups(ch.store, decision["ports"])
+        # Broken first, then the main thread may go on: a fresh backend it builds must not be broken too.
+        broke = break_groups(ch.store, decision["ports"], mine=report["ports"])
+        self.tracker.emergency.update(decision=decision, broke=broke)
 
     def report(self, step, wait_s):
         """This rank's phase for the leader: its last finished step, inside an optimizer step or not."""
@@ -308,6 +314,7 @@ def save(trainer, tracker, decision, deadline):
     dist.barrier()
     if tracker.snap is not None:
         emergency._restore(trainer, tracker.snap)
+    settle_zero3(trainer)
     trainer._get_output_dir = lambda trial=None: staging  # the save (and its rotation) stays inside
     try:
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
@@ -347,6 +354,30 @@ def wait_json_raw(channel, key, deadline):
             return None
         time.sleep(0.05)
     return channel.get(key).decode(errors="replace")
+
+
+def settle_zero3(trainer):
+    """ZeRO-3: the broken step's parameter gathers never finish; forget their handles unwaited.
+
+    DeepSpeed's save first releases every gathered parameter (`release_and_reset_all`), which
+    waits on each in-flight gather: on a broken connection that raises. The gathered data is not
+    saved (the fp32 partitions in the optimizer are), so an in-flight parameter is taken as
+    gathered and released like any other."""
+    offload = getattr(getattr(getattr(trainer, "model_wrapped", None), "optimizer", None), "parameter_offload", None)
+    if offload is None:
+        return 0
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    coordinator = offload.get_param_coordinator()
+    registry = getattr(coordinator, "_PartitionedParameterCoordinator__inflight_param_registry", None)
+    if registry is not None:
+        registry.clear()
+    n = 0
+    for param in trainer.model_wrapped.module.parameters():
+        if getattr(param, "ds_status", None) == ZeroParamStatus.INFLIGHT:
+            param.ds_status = ZeroParamStatus.AVAILABLE
+            n += 1
+    return n
 
 
 def _check(produced, step, world):
