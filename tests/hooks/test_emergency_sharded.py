@@ -87,3 +87,45 @@ def test_forward_oom_on_rank_1_every_rank_saves_its_shard_and_a_resume_is_exact(
     print("max relative loss delta vs the uninterrupted run:",
           max(abs(got[k] - want[k]) / abs(want[k]) for k in got))
     assert math.isfinite(got[12])
+
+
+def test_zero2_oom_inside_rank_1s_optimizer_step_saves_nothing_and_names_the_rank(tmp_path, ds_env):
+    out = tmp_path / "out"
+    # DeepSpeed steps the two parameter groups (decay, no decay) one at a time: the 16th AdamW.step is
+    # step 8's second, on rank 1, after its first group was updated (inside engine.step).
+    rc, log = run(out, "--deepspeed", str(DS_Z2), "--oom-optimizer", "16", "--oom-rank", "1",
+                  launcher=torchrun(29611), env_extra=ds_env, timeout=400)
+    assert rc != 0
+    said = [m for m in markers(log) if m.startswith("oom-supervisor: no emergency checkpoint:")]
+    assert len(said) == 1, markers(log)
+    assert "the OOM hit the optimizer step of step 8 on rank 1 of 2" in said[0] and "half-updated" in said[0]
+    assert parse_emergency(log.splitlines()).outcome == "not_attempted"
+    assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
+    assert not (out / "checkpoint-7").exists() and not list(out.glob("tmp-*"))
+
+
+def test_zero2_a_rank_that_never_reports_its_phase_means_no_save_within_the_budget(tmp_path, ds_env):
+    import os
+    import signal
+
+    out = tmp_path / "out"
+    pid_file = Path(f"{out}.rank0.pid")
+    try:
+        # Rank 1 stops rank 0 (SIGSTOP) right before its OOM: rank 0's watcher can never report.
+        rc, log = run(out, "--deepspeed", str(DS_Z2), "--oom-forward", "16", "--oom-rank", "1", "--freeze-rank0",
+                      launcher=torchrun(29612), env_extra={**ds_env, "OOM_SUPERVISOR_EMERGENCY_BUDGET_S": "6"},
+                      timeout=400)
+    finally:
+        if pid_file.exists():  # torchrun SIGKILLs it in the end; never leave a stopped process behind
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert rc != 0
+    said = [m for m in markers(log) if m.startswith("oom-supervisor: no emergency checkpoint:")]
+    assert len(said) == 1, markers(log)
+    assert "rank 1 of 2 (DeepSpeed ZeRO-2)" in said[0] and "rank(s) [0] did not report their phase within 3.0 s" \
+        in said[0], said[0]
+    assert parse_emergency(log.splitlines()).outcome == "not_attempted"
+    assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
+    assert not (out / "checkpoint-7").exists() and not list(out.glob("tmp-*"))
