@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.core.models import ExitRecord
 from supervisor.hooks.markers import parse_emergency
+from supervisor.judge.diagnosis import diagnose_file
 from supervisor.run.checkpoints import scan_output_dir
 from tests.hooks.test_emergency_ddp import NOTE, close, torchrun
 from tests.hooks.test_emergency_plain import SAVED_RE, losses, markers, run
@@ -63,6 +65,10 @@ def test_forward_oom_on_rank_1_every_rank_saves_its_shard_and_a_resume_is_exact(
     assert saved and saved[1] == "7" and saved[2] == str(out / "checkpoint-7"), markers(log)
     em = parse_emergency(log.splitlines())
     assert (em.outcome, em.step, em.path) == ("saved", 7, str(out / "checkpoint-7")), em
+    # The diagnosis reads rank 1's OOM: rank 0's broken collective prints no error of its own.
+    diag = diagnose_file(tmp_path / "out.0.log", ExitRecord(returncode=rc))
+    assert diag.category.value == "gpu_oom", diag.summary
+    assert not any("oom-supervisor" in e.text or "Connection closed" in e.text for e in diag.evidence)
     scan = scan_output_dir(out, expected_world_size=2)
     assert [(c.step, c.zero_stage) for c in scan.complete] == [(5, stage), (7, stage)] and scan.incomplete == ()
     assert not list(out.glob("tmp-*"))
