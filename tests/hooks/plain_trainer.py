@@ -6,6 +6,8 @@ fixed random token ids. The OOMs are PyTorch's real CPU-allocator failure: an al
   --oom-forward C        in the C-th training forward call (1-based; micro-batches count)
   --oom-optimizer K      inside the K-th optimizer.step(), AFTER the parameters were updated
   --oom-save K           in the K-th checkpoint save, after weights and optimizer were written
+`--oom-type cuda` raises torch.OutOfMemoryError with a CUDA allocator's text instead (what a GPU
+rank raises; the hook's handling is the same).
 Run under torchrun for the multi-rank case (`--oom-rank R` limits the OOM to rank R) and for
 `--deepspeed CONFIG` (the Trainer then builds torch's AdamW, which DeepSpeed steps inside
 `engine.step()`: --oom-optimizer then fails in the K-th `torch.optim.AdamW.step`, after it).
@@ -32,6 +34,8 @@ p.add_argument("--accum", type=int, default=2)
 p.add_argument("--oom-forward", type=int, default=0)
 p.add_argument("--oom-optimizer", type=int, default=0)
 p.add_argument("--oom-rank", type=int, default=-1)
+p.add_argument("--oom-type", choices=("cpu", "cuda"), default="cpu", help="cuda: raise torch.OutOfMemoryError "
+               "with the text a CUDA allocator failure has (torch >= 2.2) instead of the CPU allocator's real one")
 p.add_argument("--oom-save", type=int, default=0, help="OOM in the K-th RNG save (the last file before "
                "trainer_state.json): a regular checkpoint cut off mid-save")
 p.add_argument("--freeze-rank0", action="store_true", help="under torchrun: the OOMing rank first stops "
@@ -59,6 +63,11 @@ def oom():
     if a.stamp_oom:
         with open(a.stamp_oom, "a") as fh:
             fh.write(f"{RANK} {time.time():.6f}\n")
+    if a.oom_type == "cuda":
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 546.00 MiB. GPU 0 has a total capacity of 15.77 GiB of which "
+            "514.19 MiB is free. Of the allocated memory 13.73 GiB is allocated by PyTorch, and 736.86 MiB is "
+            "reserved by PyTorch but unallocated.")
     torch.empty(1 << 50, dtype=torch.uint8)  # RuntimeError: DefaultCPUAllocator: can't allocate memory
 
 

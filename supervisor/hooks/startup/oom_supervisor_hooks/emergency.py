@@ -30,8 +30,10 @@ watcher thread of each rank through torchrun's store. The same rules hold (step 
 staging and rename); in addition a rank that does not answer within the budget
 (OOM_SUPERVISOR_EMERGENCY_BUDGET_S) means no save, the whole save is bounded by that budget, and
 the rank exits (so torchrun tears the others down) only once the save is done. Two ranks that
-fail at once: the first to claim the step writes, the other waits for it. Sharded state
-(DeepSpeed, FSDP): nothing is saved, and the marker says why.
+fail at once: the first to claim the step writes, the other waits for it. Sharded state,
+DeepSpeed ZeRO-1/2/3 (sharded.py): every rank writes its own shard through DeepSpeed's own save,
+after the failing rank has told the others through the store and their stuck collective was
+broken on purpose. FSDP, DeepSpeed stage 0: nothing is saved, and the marker says why.
 
 Marker lines (stdout, each starting a line of its own; `supervisor.hooks.markers` reads them):
   oom-supervisor: emergency checkpoint: saving step N to <output_dir>/checkpoint-N (after <what>; <freed>)
@@ -40,6 +42,8 @@ Marker lines (stdout, each starting a line of its own; `supervisor.hooks.markers
   oom-supervisor: emergency checkpoint at step N: <path> (saved in <s> s)
   oom-supervisor: emergency checkpoint: rank R of W leaves the save of step N to the rank that claimed it first
   oom-supervisor: emergency checkpoint at step N: <path> (already saved by the regular schedule)
+  oom-supervisor: emergency checkpoint: shards of step N from ranks [0, 1, ...] of W (DeepSpeed ZeRO-S); ...
+  oom-supervisor: emergency checkpoint: rank R of W left its collective (broken on purpose: ...) to write ...
   oom-supervisor: emergency checkpoint at step N failed: <ExceptionType>: <message>
   oom-supervisor: no emergency checkpoint: <why>
 Nothing else is changed: no training setting, no regular save, no rotation of older checkpoints
@@ -90,6 +94,11 @@ def install(trainer_module):
             return original(self, *args, **kwargs)
         except BaseException as exc:
             kind = oom_kind(exc)
+            if kind is None and not tracker.handled and tracker.emergency is not None:
+                tracker.handled = True  # another rank's OOM broke this rank's collective on purpose
+                from . import sharded
+
+                sharded.on_broken(self, tracker, exc)  # writes this rank's shard, then waits to be ended
             if kind is None or tracker.handled:
                 raise
             tracker.handled = True  # one emergency save per process, even if the caller retries
@@ -165,16 +174,19 @@ def _make_tracker(trainer):
             self.finished = 0  # optimizer steps finished in this process
             self.unsafe = None  # why the optimizer/parameter state may be half-updated, or None
             self.snap = None
-            self.watcher = None  # answers a replica's emergency save (several ranks; replica.py)
+            self.watcher = None  # answers a replica's (replica.py) or a sharded (sharded.py) emergency save
+            self.emergency = None  # set by a sharded run's watcher: another rank's OOM asked this rank in
 
         def on_train_begin(self, args, state, control, **kw):
             self.started_at, self.finished, self.unsafe = state.global_step, 0, None
             world = _world_size(trainer)
             if world > 1 and self.watcher is None:
-                from . import replica
+                from . import replica, sharded
 
                 if replica.sharded(trainer) is None:
                     self.watcher = replica.start(world)
+                elif sharded.supported(trainer):
+                    self.watcher = sharded.start(world, self)
             if getattr(trainer, "is_deepspeed_enabled", False):
                 # accelerate runs DeepSpeed's optimizer step inside backward (engine.step())
                 _watch_step(getattr(trainer, "model_wrapped", None), trainer, self)
@@ -289,13 +301,16 @@ def on_oom(trainer, tracker, exc, kind):
 
 def _on_oom_replica(trainer, tracker, exc, step, world, what):
     """Several ranks: this rank writes checkpoint-N alone when the state is a replica (replica.py)."""
-    from . import replica
+    from . import replica, sharded
 
     rank = replica._rank()
     who = f"rank {rank} of {world}"
     last = "the last regular checkpoint is the resume point"
     why = replica.sharded(trainer)
-    if why is None and tracker.watcher is None:
+    shards = why is not None and sharded.supported(trainer)  # every rank writes its own shard (sharded.py)
+    if shards:
+        why = None
+    elif why is None and tracker.watcher is None:
         why = "no store to reach the other ranks' RNG state (see the hook's warning at start)"
     if why is not None:
         say(f"no emergency checkpoint: {what} on {who}: {why}; {last}")
@@ -314,6 +329,9 @@ def _on_oom_replica(trainer, tracker, exc, step, world, what):
     final = _final_dir(trainer, step)
     if _regular_save_done(final, budget / 4):
         say(f"emergency checkpoint at step {step}: {final} (already saved by the regular schedule)")
+        return
+    if shards:
+        sharded.on_oom(trainer, tracker, exc, step, (rank, world, what, freed))
         return
     channel = tracker.watcher.channel
     if channel.store.add(channel.key("claim", step), 1) > 1:  # another failing rank writes it: wait, then exit

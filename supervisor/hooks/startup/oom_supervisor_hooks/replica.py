@@ -30,7 +30,8 @@ During the save the writer is made the writer, temporarily (`writer_scope`, rest
 `_save_rng_state` writes each rank's file from its answer. The result has exactly the files of
 a regular N-rank save, plus `oom-supervisor-emergency.json` saying what came from which rank.
 
-Sharded state (DeepSpeed ZeRO-1/2/3, FSDP) is not built: every rank must write its own shard.
+Sharded state: DeepSpeed ZeRO-1/2/3 is sharded.py's (every rank writes its own shard); FSDP is
+not built.
 DeepSpeed at stage 0 is refused too: its `save_checkpoint` synchronises ranks through its own
 communication layer, which the writer cannot bypass safely.
 """
