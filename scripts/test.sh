@@ -5,7 +5,8 @@
 #   3. the Slurm test clusters, each a script with `up` and `down` (CLUSTERS below);
 #   4. ruff check . (lint, the rules in pyproject.toml; only without arguments);
 #   5. pytest on two workers, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`);
-#   6. the daemon-side tests again on Python 3.10 (scripts/py310.sh; only without arguments).
+#   6. the daemon-side tests again on Python 3.10 (scripts/py310.sh; only without arguments), on one
+#      worker beside step 5, its output printed after it.
 # Everything it starts is stopped when it exits, passed, failed or interrupted (trap).
 # OOM_SUPERVISOR_TEST_SLURM=0 leaves the clusters alone (their tests then skip; under CI=true
 # they fail, naming what is missing); OOM_SUPERVISOR_TEST_INSTALL=0 installs no package;
@@ -51,15 +52,18 @@ if [ $# -eq 0 ]; then
     >"$ext/../prebuild.log" 2>&1 &
   prebuild=$!
 fi
-stop_prebuild() {
-  # Interrupted while it compiles: stop the compiler too, and leave no build lock behind (torch
-  # would wait on it forever the next time).
+stop_background() {
+  # Interrupted while the compile or the 3.10 run goes on: stop them with everything they started
+  # (each runs in its own session), and leave no build lock behind (torch would wait on it forever).
   if [ -n "${prebuild:-}" ] && kill -0 "$prebuild" 2>/dev/null; then
     kill -- -"$prebuild" 2>/dev/null || true
     rm -f "$ext/cpu_adam/lock"
   fi
+  if [ -n "${py310:-}" ] && kill -0 "$py310" 2>/dev/null; then
+    kill -- -"$py310" 2>/dev/null || true
+  fi
 }
-trap stop_prebuild EXIT
+trap stop_background EXIT
 
 if [ "${OOM_SUPERVISOR_TEST_INSTALL:-1}" != 0 ] && ! command -v chromium >/dev/null 2>&1 \
     && ! command -v chromium-browser >/dev/null 2>&1; then
@@ -70,7 +74,7 @@ if [ "${OOM_SUPERVISOR_TEST_INSTALL:-1}" != 0 ] && ! command -v chromium >/dev/n
 fi
 
 if [ "${OOM_SUPERVISOR_TEST_SLURM:-1}" != 0 ]; then
-  trap 'stop_prebuild; stop_clusters' EXIT
+  trap 'stop_background; stop_clusters' EXIT
   for s in $CLUSTERS; do
     [ -f "$s" ] || continue
     say "starting the test cluster of $s"
@@ -86,12 +90,25 @@ if [ $# -eq 0 ]; then
   say "ruff check . (the rule set in pyproject.toml)"
   .venv/bin/ruff check . || rc=$?
 fi
+# The daemon and CLI on Python 3.10 (scripts/py310.sh), on one worker, beside the main run: its
+# first minutes are the Slurm tests on one worker, mostly waiting on the scheduler, so the 3.10 run
+# fills the idle core instead of adding a minute at the end. Its own temp folder; its output is
+# printed after the main run's.
+py310=
+if [ $# -eq 0 ] && [ "${OOM_SUPERVISOR_TEST_PY310:-1}" != 0 ]; then
+  mkdir -p .cache
+  OOM_SUPERVISOR_TEST_WORKERS=1 PYTEST_ADDOPTS="--basetemp=$(pwd -P)/.cache/py310-tmp" \
+    setsid bash scripts/py310.sh >.cache/py310.log 2>&1 &
+  py310=$!
+fi
 # Two workers (pytest-xdist): most tests wait on real processes, so two keep both cores busy; the
 # tests that share the box's users or the Slurm clusters stay on one worker (tests/conftest.py).
 # OOM_SUPERVISOR_TEST_WORKERS=0 runs them in this process, one after another; `-n N` overrides.
 .venv/bin/python -m pytest -q -ra -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" --dist load "$@" || rc=$?
-if [ $# -eq 0 ] && [ "${OOM_SUPERVISOR_TEST_PY310:-1}" != 0 ]; then
-  say "the daemon and CLI on Python 3.10 (scripts/py310.sh)"
-  bash scripts/py310.sh || { r=$?; [ "$rc" != 0 ] || rc=$r; }
+if [ -n "$py310" ]; then
+  r=0; wait "$py310" || r=$?
+  say "the daemon and CLI on Python 3.10 (scripts/py310.sh), run beside the main run:"
+  cat .cache/py310.log >&2
+  [ "$rc" != 0 ] || rc=$r
 fi
 exit "$rc"
