@@ -135,7 +135,12 @@ class DaemonProc:
         return json.loads(self.cli("show", str(job), "--json", check=True).stdout)
 
     def wait_for(self, pred, timeout: float = 60, what: str = "condition"):
-        deadline = time.monotonic() + timeout
+        """Poll `pred` until it holds. The pause grows with the wait (0.1 s, then a twentieth of the
+        time waited, at most 1 s): a predicate is a CLI call (~0.3 s of CPU), and polling a
+        minutes-long training every 0.1 s took most of a core from it and from the other worker;
+        a condition is still seen within 5% of the time it took."""
+        start = time.monotonic()
+        deadline = start + timeout
         last = None
         while time.monotonic() < deadline:
             try:
@@ -146,7 +151,7 @@ class DaemonProc:
                 pass
             if self.proc is not None and self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
-            time.sleep(0.1)
+            time.sleep(min(1.0, 0.1 + (time.monotonic() - start) / 20))
         raise AssertionError(f"timed out waiting for {what}; last={last}\n{self.log_path.read_text()[-3000:]}")
 
     def job_state(self, job: int) -> str | None:
