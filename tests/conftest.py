@@ -42,16 +42,33 @@ def _shared(nodeid: str) -> str | None:
     return SHARED_BY_FOLDER.get(parts[1]) if len(parts) > 2 and parts[0] == "tests" else None
 
 
+_MODULE_FIXTURES: dict[str, bool] = {}
+
+
+def _module_with_fixture(nodeid: str) -> str | None:
+    """The test's module when it defines a module-scoped fixture (a training run once and copied by
+    its tests): a worker builds such a fixture for itself, so a module spread over both workers
+    trained it twice (seen in CI: test_real_resume's `runs` set up twice, 33 s and 26 s)."""
+    path = nodeid.split("::")[0]
+    if path not in _MODULE_FIXTURES:
+        try:
+            _MODULE_FIXTURES[path] = 'scope="module"' in (REPO / path).read_text()
+        except OSError:
+            _MODULE_FIXTURES[path] = False
+    return path if _MODULE_FIXTURES[path] else None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling, where a scope is a shared folder or else one test."""
+    """xdist's scope scheduling, where a scope is a shared folder, a module with a module-scoped
+    fixture, or else one test."""
     if config.getvalue("dist") not in ("load", "loadgroup"):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedFolders(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _shared(nodeid) or nodeid
+            return _shared(nodeid) or _module_with_fixture(nodeid) or nodeid
 
     return SharedFolders(config, log)
 
