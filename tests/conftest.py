@@ -88,7 +88,10 @@ def pytest_collection_modifyitems(config, items):
     (`slow`), then the rest; the collection order is kept within each (a stable sort)."""
     slow = _measured_slow()
     for item in items:
-        if item.nodeid.split("[")[0] in slow and not item.get_closest_marker("slow"):
+        # A test on a Slurm test cluster is slow whatever it measured: its fixture starts the cluster
+        # when none runs, and test_slurm_real's module fixtures wait out a time limit and KillWait.
+        on_cluster = {"slurm", "slurm2"} & set(getattr(item, "fixturenames", ()))
+        if (item.nodeid.split("[")[0] in slow or on_cluster) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
 
     def rank(item) -> int:
