@@ -42,16 +42,33 @@ def _shared(nodeid: str) -> str | None:
     return SHARED_BY_FOLDER.get(parts[1]) if len(parts) > 2 and parts[0] == "tests" else None
 
 
+_MODULE_FIXTURES: dict[str, bool] = {}
+
+
+def _module_with_fixture(nodeid: str) -> str | None:
+    """The test's module when it defines a module-scoped fixture (a training run once and copied by
+    its tests): a worker builds such a fixture for itself, so a module spread over both workers
+    trained it twice (seen in CI: test_real_resume's `runs` set up twice, 33 s and 26 s)."""
+    path = nodeid.split("::")[0]
+    if path not in _MODULE_FIXTURES:
+        try:
+            _MODULE_FIXTURES[path] = 'scope="module"' in (REPO / path).read_text()
+        except OSError:
+            _MODULE_FIXTURES[path] = False
+    return path if _MODULE_FIXTURES[path] else None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling, where a scope is a shared folder or else one test."""
+    """xdist's scope scheduling, where a scope is a shared folder, a module with a module-scoped
+    fixture, or else one test."""
     if config.getvalue("dist") not in ("load", "loadgroup"):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedFolders(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _shared(nodeid) or nodeid
+            return _shared(nodeid) or _module_with_fixture(nodeid) or nodeid
 
     return SharedFolders(config, log)
 
@@ -71,7 +88,10 @@ def pytest_collection_modifyitems(config, items):
     (`slow`), then the rest; the collection order is kept within each (a stable sort)."""
     slow = _measured_slow()
     for item in items:
-        if item.nodeid.split("[")[0] in slow and not item.get_closest_marker("slow"):
+        # A test on a Slurm test cluster is slow whatever it measured: its fixture starts the cluster
+        # when none runs, and test_slurm_real's module fixtures wait out a time limit and KillWait.
+        on_cluster = {"slurm", "slurm2"} & set(getattr(item, "fixturenames", ()))
+        if (item.nodeid.split("[")[0] in slow or on_cluster) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
 
     def rank(item) -> int:
@@ -135,7 +155,12 @@ class DaemonProc:
         return json.loads(self.cli("show", str(job), "--json", check=True).stdout)
 
     def wait_for(self, pred, timeout: float = 60, what: str = "condition"):
-        deadline = time.monotonic() + timeout
+        """Poll `pred` until it holds. The pause grows with the wait (0.1 s, then a twentieth of the
+        time waited, at most 1 s): a predicate is a CLI call (~0.3 s of CPU), and polling a
+        minutes-long training every 0.1 s took most of a core from it and from the other worker;
+        a condition is still seen within 5% of the time it took."""
+        start = time.monotonic()
+        deadline = start + timeout
         last = None
         while time.monotonic() < deadline:
             try:
@@ -146,7 +171,7 @@ class DaemonProc:
                 pass
             if self.proc is not None and self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
-            time.sleep(0.1)
+            time.sleep(min(1.0, 0.1 + (time.monotonic() - start) / 20))
         raise AssertionError(f"timed out waiting for {what}; last={last}\n{self.log_path.read_text()[-3000:]}")
 
     def job_state(self, job: int) -> str | None:

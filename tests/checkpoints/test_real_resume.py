@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -185,16 +184,13 @@ def test_old_transformers_trap_fixup_patches_a_real_trainer_state_with_backup(ru
 
 
 def test_demo_assets_load_with_transformers(runs):
-    """The built tokenizer/model are what LLaMA-Factory's `template: default` needs."""
+    """The built tokenizer/model are what LLaMA-Factory's `template: default` needs. In this process:
+    its other tests imported transformers already (a fresh interpreter paid ~6 s of CPU for it)."""
+    from transformers import AutoConfig, AutoTokenizer
+
     from tests.conftest_ml import tiny_assets
 
     a = tiny_assets()
-    code = (
-        "import sys; from transformers import AutoTokenizer, AutoConfig;"
-        f"t=AutoTokenizer.from_pretrained({str(a.model_dir)!r});"
-        "assert None not in (t.bos_token_id, t.eos_token_id, t.pad_token_id, t.unk_token_id);"
-        f"c=AutoConfig.from_pretrained({str(a.model_dir)!r}); assert c.vocab_size == len(t)"
-    )
-    import sys
-
-    subprocess.run([sys.executable, "-c", code], check=True)
+    t = AutoTokenizer.from_pretrained(str(a.model_dir))
+    assert None not in (t.bos_token_id, t.eos_token_id, t.pad_token_id, t.unk_token_id)
+    assert AutoConfig.from_pretrained(str(a.model_dir)).vocab_size == len(t)

@@ -67,6 +67,20 @@ def events(d: DaemonProc, job: int, kind: str) -> list[dict]:
     return [e for e in d.show(job)["events"] if e["kind"] == kind]
 
 
+def judged_or_ended(d: DaemonProc, job: int) -> bool:
+    """Attempt 1 judged (a second one exists) or the job ended: one `show` (each CLI call costs
+    ~0.3 s of CPU, and wait_for polls it for minutes)."""
+    shown = d.show(job)
+    return len(shown["attempt_list"]) >= 2 or shown["state"] in ("failed", "succeeded")
+
+
+def node_pids(d: DaemonProc) -> list[int] | None:
+    """The `pid <node> <pid>` lines of job 1's log once both nodes printed theirs."""
+    text = d.cli("logs", "1").stdout
+    return [int(ln.split()[2]) for ln in text.splitlines() if ln.startswith("pid ")] \
+        if text.count("pid node") == 2 else None
+
+
 def cluster2(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(REPO / "scripts" / "slurm2.sh"), *args], capture_output=True, text=True,
                           timeout=300, check=False)
@@ -118,11 +132,11 @@ def test_a_node_failure_interrupts_the_job_names_the_node_and_it_resumes_when_th
         work.mkdir()
         (work / "long.py").write_text(LONG_THEN_DONE)
         drop(d.spool, "nf.yaml", command_job(work, [sys.executable, "long.py"], max_attempts=1, slurm={"nodes": 2}))
-        d.wait_for(lambda: "node2 step 3" in d.cli("logs", "1").stdout and "node1 step 3" in d.cli("logs", "1").stdout,
+        d.wait_for(lambda: "node1 step 3" in (t := d.cli("logs", "1").stdout) and "node2 step 3" in t,
                    timeout=120, what="both nodes running")
         t0 = time.monotonic()
         assert cluster2("kill-node", "node2").returncode == 0
-        d.wait_for(lambda: len(d.show(1)["attempt_list"]) >= 2 or d.job_state(1) in ("failed", "succeeded"),
+        d.wait_for(lambda: judged_or_ended(d, 1),
                    timeout=150, what="the node failure judged")
         judged_s = time.monotonic() - t0
         first = d.show(1)["attempt_list"][0]
@@ -160,9 +174,7 @@ def test_the_stop_deadline_kills_every_node_at_once_not_after_killwait(slurm2, t
         work.mkdir()
         (work / "ignore.py").write_text(IGNORE_TERM)
         drop(d.spool, "k.yaml", command_job(work, [sys.executable, "ignore.py"], slurm={"nodes": 2}))
-        pids = d.wait_for(lambda: [int(ln.split()[2]) for ln in d.cli("logs", "1").stdout.splitlines()
-                                   if ln.startswith("pid ")] if d.cli("logs", "1").stdout.count("pid node") == 2
-                          else None, timeout=120, what="both nodes running")
+        pids = d.wait_for(lambda: node_pids(d), timeout=120, what="both nodes running")
         kill_wait = sl.kill_wait_s()
         t0 = time.monotonic()
         assert d.cli("cancel", "1").returncode == 0

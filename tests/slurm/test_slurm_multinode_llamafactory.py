@@ -30,7 +30,7 @@ from supervisor.run import slurm as sl
 
 from ..conftest import QUIET_OMP, pids_with_marker
 from ..conftest_ml import CACHE, VENV_BIN, needs_llamafactory
-from .test_slurm_multinode import events, two_node_daemon
+from .test_slurm_multinode import events, judged_or_ended, two_node_daemon
 
 NODE2_LIMIT_KIB = 3500 * 1024  # between 3.14 GiB (2 long samples) and 3.91 GiB (4), far above 2.35 (short)
 
@@ -78,7 +78,7 @@ def test_a_two_node_night_oom_on_node2_remedy_resume_and_readoption(slurm2, tmp_
     try:
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
         assert d.cli("submit", str(tmp_path / "job.yaml")).returncode == 0
-        d.wait_for(lambda: len(d.show(1)["attempt_list"]) >= 2 or d.job_state(1) in ("failed", "succeeded"),
+        d.wait_for(lambda: judged_or_ended(d, 1),
                    timeout=600, what="attempt 1 judged")
         first_s = time.monotonic() - t0
         assert d.job_state(1) not in ("failed", "succeeded"), json.dumps(d.show(1)["attempt_list"], default=str)[-4000:]
