@@ -245,13 +245,14 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
     budget = R.host_budget(ctx, policy)
     host_limit = int(budget * (1 - policy.fit_headroom)) if budget else None
     fitted = [Overrides.from_dict(o.overrides) for o in same if o.outcome == "fit"]
+    other_seq = [o for o in observations if id(o) not in skip and tier(key, o.key) == "other_seq"]
     cands = []
     for ov in configurations(ctx, policy, fitted):
         ck = memory_key(ctx, ov)
         rec = own.get(config_sig(ck, ov)) or recs.get(config_sig(ck, ov))
         longer = None
         if rec is None:
-            rec, longer = longer_fit(key, ck, ov, observations, skip)
+            rec, longer = longer_fit(ck, ov, other_seq)
         sp = S.speed(ctx, ov)
         if rec is not None and not rec.fit:
             cands.append(Candidate(ov, label(ctx, ov), rec.peak("gpu"), rec.peak("host"), 0.0, "oom", False, sp))
@@ -290,8 +291,8 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
     return Prediction(tuple(cands), gpu_c, host_c, gpu_limit, host_limit, tuple(same), outside)
 
 
-def longer_fit(key: dict[str, Any], ck: dict[str, Any], ov: Overrides, observations: Sequence[Observation],
-               skip: frozenset[int]) -> tuple[Record | None, int | None]:
+def longer_fit(ck: dict[str, Any], ov: Overrides,
+               other_seq: Sequence[Observation]) -> tuple[Record | None, int | None]:
     """The same configuration of the same model seen to fit at a longer cutoff_len (and no shorter
     longest sample), weighed as records() weighs; with the closest such cutoff_len. Activations
     grow with the sequence and every sample is cut at cutoff_len, so that fit's peak bounds this
@@ -303,9 +304,7 @@ def longer_fit(key: dict[str, Any], ck: dict[str, Any], ov: Overrides, observati
     want = config_sig(ck, ov)
     seq = ck.get("seq_len") or ck.get("cutoff_len") or 0
     groups: dict[int, list[Observation]] = {}
-    for o in observations:
-        if tier(key, o.key) != "other_seq" or id(o) in skip:
-            continue
+    for o in other_seq:  # the same model at another sequence length (tier "other_seq"), not outweighed
         sig = config_sig(o.key, o.overrides)
         cut = o.key.get("cutoff_len") or 0
         if sig[:n] != want[:n] or sig[n + 1:] != want[n + 1:] or cut < (ck.get("cutoff_len") or 0):
