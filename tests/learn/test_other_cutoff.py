@@ -58,7 +58,7 @@ def test_a_shorter_cutoff_len_starts_at_the_split_that_fit_at_the_longer_one():
     start, why = L.initial_overrides(ctx, POLICY, obs)
     assert why is not None, "no learned start: the ladder from 16x1 again"
     assert R.view_of(ctx, start).micro == 4 and R.view_of(ctx, start).accum == 4, why
-    assert "starting at 4x4 (observed to fit at cutoff_len 2048 (peak 1.13 GiB), which needs no less" in why, why
+    assert "starting at 4x4 (observed to fit at cutoff_len 2048 (peak 1.13 GiB, the largest seen), which needs no less" in why, why
 
 
 def test_a_longer_cutoff_len_is_not_bounded_by_a_shorter_fit():
@@ -108,5 +108,5 @@ def test_plan_on_a_box_without_a_gpu_shows_the_start_the_daemon_takes_and_why(tm
     assert "no GPU here (none probed, none named, no --gpu-memory): planned as a run without a GPU" in out, out
     assert "learned start: 4x4\n" in out and "ZeRO-3" not in out, out
     assert "demo attempt 3 (other_seq): 4x4 cutoff_len 2048: fit, peak 1.13 GiB" in out, out
-    assert ("starting at 4x4 (observed to fit at cutoff_len 2048 (peak 1.13 GiB), which needs no less than "
+    assert ("starting at 4x4 (observed to fit at cutoff_len 2048 (peak 1.13 GiB, the largest seen), which needs no less than "
             "cutoff_len 1024; margin 0%)") in out, out

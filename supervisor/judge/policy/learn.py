@@ -385,7 +385,7 @@ def reason_for(ctx: JobContext, pred: Prediction, choice: Candidate) -> str:
     if choice.source == "observed" and choice.longer:
         cut = R.view_of(ctx, choice.overrides).cutoff
         peak = choice.gpu_need if choice.gpu_need is not None else choice.host_need
-        basis = (f"observed to fit at cutoff_len {choice.longer} (peak {_gib(peak)}), which needs no "
+        basis = (f"observed to fit at cutoff_len {choice.longer} (peak {_gib(peak)}, the largest seen), which needs no "
                  f"less than cutoff_len {cut}; margin {choice.margin:.0%}")
     elif choice.source == "observed":
         basis = "observed to fit"
