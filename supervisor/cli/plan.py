@@ -72,7 +72,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _context(spec: Any, shape: ModelShape | None, gpu_gib: float | None,
-             host_gib: float | None = None) -> JobContext:
+             host_gib: float | None = None, visible_gpus: int | None = None) -> JobContext:
     ds = spec.config.get("deepspeed")
     ds_cfg = ds if isinstance(ds, dict) else None
     if isinstance(ds, str):
@@ -84,7 +84,23 @@ def _context(spec: Any, shape: ModelShape | None, gpu_gib: float | None,
                       nproc_per_node=spec.sup.nproc_per_node, gpus=tuple(spec.sup.gpus) if spec.sup.gpus else None,
                       max_attempts=spec.sup.max_attempts or 8, host_memory_limit_bytes=spec.sup.host_memory_limit,
                       host_ram_bytes=int(host_gib * GiB) if host_gib else None,
-                      **context_fields(shape), gpu_capacity_bytes=int(gpu_gib * GiB) if gpu_gib else None, deepspeed_config=ds_cfg)
+                      **context_fields(shape), gpu_capacity_bytes=int(gpu_gib * GiB) if gpu_gib else None, deepspeed_config=ds_cfg,
+                      visible_gpu_count=visible_gpus)
+
+
+def _visible_gpus(spec: Any, gpu_gib: float | None) -> int | None:
+    """0 when the job would run without a GPU on this box (none probed, none named, no
+    --gpu-memory), as the daemon here would run it: no GPU-only remedy (offload) is a candidate
+    then, and plan shows the start the daemon will choose (issue 27). None: not known here."""
+    if gpu_gib or spec.sup.gpus:
+        return None
+    import os
+
+    from supervisor.intake.llamafactory.launch import visible_gpu_count
+    from supervisor.run.gpus import probe_capacities
+
+    seen = visible_gpu_count({**os.environ, **(spec.sup.env or {})}, len(probe_capacities()))
+    return 0 if seen == 0 else None  # with GPUs here, --gpu-memory says which: as before
 
 
 def _estimate(ctx: JobContext, ov: Overrides, shape: ModelShape | None) -> dict[str, Any]:
@@ -110,8 +126,9 @@ def _numbers(ctx: JobContext, ov: Overrides, shape: ModelShape | None) -> dict[s
 
 
 def build_plan(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None,
-               observations: Sequence[LO.Observation] = (), host_gib: float | None = None) -> list[dict[str, Any]]:
-    ctx = _context(spec, shape, gpu_gib, host_gib)
+               observations: Sequence[LO.Observation] = (), host_gib: float | None = None,
+               visible_gpus: int | None = None) -> list[dict[str, Any]]:
+    ctx = _context(spec, shape, gpu_gib, host_gib, visible_gpus)
     history: list[AttemptRecord] = []
     attempt_dir = Path("<attempt_dir>")
     ov, why = learn.initial_overrides(ctx, policy, observations)
@@ -152,9 +169,10 @@ def _learned_numbers(c: learn.Candidate) -> dict[str, Any]:
 
 
 def learned_summary(spec: Any, policy: Any, shape: ModelShape | None, gpu_gib: float | None,
-                    observations: Sequence[LO.Observation], host_gib: float | None = None) -> dict[str, Any] | None:
+                    observations: Sequence[LO.Observation], host_gib: float | None = None,
+                    visible_gpus: int | None = None) -> dict[str, Any] | None:
     """The prediction, the observations it came from and the margin (None without a shape)."""
-    ctx = _context(spec, shape, gpu_gib, host_gib)
+    ctx = _context(spec, shape, gpu_gib, host_gib, visible_gpus)
     pred = learn.predict(ctx, policy, observations)
     if pred is None:
         return None
@@ -225,9 +243,10 @@ def run(args: argparse.Namespace) -> int:
     model = spec.config.get("model_name_or_path")
     shape, model_note = _model_shape(spec, model) if isinstance(model, str) and model else (None, None)
     host_gib = getattr(args, "host_memory", None)
-    observations = _observations(args, _context(spec, shape, args.gpu_memory, host_gib))
-    steps = build_plan(spec, policy, shape, args.gpu_memory, observations, host_gib)
-    learned = learned_summary(spec, policy, shape, args.gpu_memory, observations, host_gib)
+    gpus = _visible_gpus(spec, args.gpu_memory)
+    observations = _observations(args, _context(spec, shape, args.gpu_memory, host_gib, gpus))
+    steps = build_plan(spec, policy, shape, args.gpu_memory, observations, host_gib, gpus)
+    learned = learned_summary(spec, policy, shape, args.gpu_memory, observations, host_gib, gpus)
     warnings = [str(w) for w in parse_warnings]
     extra = None
     if args.deepspeed_estimator and shape:
@@ -242,6 +261,9 @@ def run(args: argparse.Namespace) -> int:
     print(head)
     if model_note:
         print(model_note)
+    if gpus == 0:
+        print("no GPU here (none probed, none named, no --gpu-memory): planned as a run without a GPU, as the "
+              "daemon on this box would run it (no offload: its 'device' is host memory)")
     for w in warnings:
         print(f"warning: {w}")
     if learned is not None:

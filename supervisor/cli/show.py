@@ -110,8 +110,9 @@ def attempt_panel(a: dict[str, Any]) -> Panel:
     if a.get("tokens_per_s"):
         rates.append(f"{a['tokens_per_s']:.0f} tokens/s")
     if rates or a.get("peak_host_memory_bytes"):
+        by = f", by {a['peak_host_memory_measure']}" if a.get("peak_host_memory_measure") else ""
         lines.append(f"throughput: {', '.join(rates) or '-'}; peak host memory: "
-                     f"{human_bytes(a.get('peak_host_memory_bytes'))}\n")
+                     f"{human_bytes(a.get('peak_host_memory_bytes'))}{by}\n")
     lines.append("exit: ", style="bold")
     lines.append(_exit_text(a.get("exit")) + "\n")
     d = a.get("diagnosis")

@@ -76,6 +76,9 @@ def job_timeline(store, job_id: int) -> dict[str, Any]:
     for a in attempts:  # what the start-up hook saved when the attempt ran out of memory
         a["emergency_checkpoint"] = next((e["message"] for e in events if e["kind"] == "emergency_checkpoint"
                                           and e["attempt"] == a["number"]), None)
+        a["peak_host_memory_measure"] = next((e["data"].get("peak_host_measure") for e in events
+                                              if e["kind"] == "attempt_ended" and e["attempt"] == a["number"]
+                                              and e["data"]), None)
     summary = job_summary(store, job)
     per = ((summary.get("goodput") or {}).get("attempts") or {})
     for a in attempts:  # the attempt's own time and the wait just before it

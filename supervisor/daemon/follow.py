@@ -49,6 +49,7 @@ class Active:
     last_output_mono: float = field(default_factory=time.monotonic)
     last_step: int | None = None
     peak_rss: int = 0
+    peak_measure: str | None = None  # what peak_rss counts (procstat.PSS, a cgroup's memory.current)
     min_available: int | None = None
     stopped_by: str | None = None
     detected_at: float | None = None
@@ -244,7 +245,8 @@ class Follower:
             avail = psutil.virtual_memory().available
         except Exception:  # noqa: BLE001 - a sample is best effort (the tree may be gone, /proc racing); the next tick samples again
             return
-        act.peak_rss = max(act.peak_rss, rss)
+        if rss >= act.peak_rss:
+            act.peak_rss, act.peak_measure = rss, measure
         act.min_available = avail if act.min_available is None else min(act.min_available, avail)
         limit = act.memory_limit
         if limit and act.handle.cgroup is None and rss > limit and act.stopped_by is None:

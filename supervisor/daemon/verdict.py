@@ -36,6 +36,7 @@ from supervisor.record import requests
 from supervisor.run import kernel_log, proctree
 from supervisor.run.diskfull import free_bytes
 from supervisor.run.fsutil import atomic_write_json, tail_text
+from supervisor.run.procstat import PSS
 from supervisor.service.logsetup import log
 
 INTERRUPTING = ("shutdown", "vanished", "cancelled_outside")
@@ -98,7 +99,7 @@ class Verdicts:
                                f"attempt {act.number} ended: {exit_words(exit_rec)}; diagnosis {diagnosis.category}"
                                + (f"/{diagnosis.subkind}" if diagnosis.subkind else "") + f": {diagnosis.summary}",
                                attempt=act.number, teardown_s=act.teardown_s, node=diagnosis.node,
-                               rank=diagnosis.rank, nodes=raw.get("nodes"))
+                               rank=diagnosis.rank, nodes=raw.get("nodes"), peak_host_measure=peak_measure(act, host))
             self.settle(act, stopped_by, decision)
         act.log.close()
         if decision is not None and this is not None:
@@ -395,3 +396,13 @@ def exit_words(e: ExitRecord) -> str:
     how = f"killed by {e.signal}" if e.signal else f"exit code {e.returncode}"
     how += f" on node {e.node}" if e.node else ""
     return how + (f" (stopped by the supervisor: {e.stopped_by})" if e.stopped_by else "")
+
+
+def peak_measure(act: Active, host: HostEvidence) -> str | None:
+    """What the attempt's peak host memory counts, for `show`: the daemon's samples' measure when
+    they set the peak, else the shim's (PSS, as the daemon counts) or the cgroup's peak."""
+    if not host.peak_rss_bytes:
+        return None
+    if act.peak_measure and act.peak_rss >= host.peak_rss_bytes:
+        return act.peak_measure
+    return "the cgroup's own peak count" if act.handle.cgroup is not None else PSS

@@ -118,16 +118,19 @@ def test_overnight_run_survives_a_real_oom_rlimit(tmp_path):
     assert first["steps_lost"] == 0
     assert "emergency checkpoint at step 8" in d.cli("show", "1").stdout
 
-    # The second night: the same job again (fresh output folder) starts where it fits, no OOM.
-    root2 = tmp_path / "demo2"
-    (root2 / "work").mkdir(parents=True)
-    (root2 / "cache").symlink_to(CACHE)
-    job2 = demo_job(root2, memory_limit=DEMO_RLIMIT, launcher=default_launcher(), save_steps=DEMO_SAVE_STEPS)
-    job2["supervisor"]["env"].update(QUIET_OMP)
+    # The second night: the same job again (fresh output folder) starts where it fits, no OOM; then a
+    # second job of its kind at another cutoff_len starts within one attempt of that fit, and `plan`,
+    # asked before it runs, shows why (the observation it rests on, the margin).
     d2 = DaemonProc(d.state, d.spool, d.config, tmp_path / "daemon2.log").start()
     try:
+        job2 = night_two_job(tmp_path / "demo2")
         drop(d2.spool, "demo-again.yaml", yaml.safe_dump(job2))
         d2.wait_state(2, {"succeeded", "failed"}, timeout=600)
+        job3 = night_two_job(tmp_path / "demo3", cutoff_len=1024, name="demo-tiny-llama-1024")
+        (tmp_path / "demo3" / "job.yaml").write_text(yaml.safe_dump(job3))
+        planned = d2.cli("plan", str(tmp_path / "demo3" / "job.yaml"))
+        drop(d2.spool, "demo-1024.yaml", yaml.safe_dump(job3))
+        d2.wait_state(3, {"succeeded", "failed"}, timeout=900)
     finally:
         d2.stop(signal.SIGTERM)
     again = d2.show(2)
@@ -136,6 +139,34 @@ def test_overnight_run_survives_a_real_oom_rlimit(tmp_path):
     assert learned and "starting at 4x4" in learned[0], learned
     eff = yaml.safe_load((d2.state / "jobs/2/attempt-1/effective.yaml").read_text())
     assert eff["per_device_train_batch_size"] * eff["gradient_accumulation_steps"] == 16
+
+    other = d2.show(3)
+    assert other["state"] == "succeeded" and other["attempts"] <= 2, json.dumps(other, default=str)[-3000:]
+    learned = [e["message"] for e in other["events"] if e["kind"] == "learned_plan"]
+    why = "starting at 4x4 (observed to fit at cutoff_len 2048 (peak "
+    assert learned and why in learned[0] and "which needs no less than cutoff_len 1024; margin 0%" in learned[0], \
+        learned
+    eff = yaml.safe_load((d2.state / "jobs/3/attempt-1/effective.yaml").read_text())
+    assert (eff["cutoff_len"], eff["per_device_train_batch_size"], eff["gradient_accumulation_steps"]) == (1024, 4, 4)
+    assert planned.returncode == 0, planned.stderr
+    out = planned.stdout
+    assert "learned start: 4x4\n" in out and why in out, out
+    assert "(other_seq): 4x4 cutoff_len 2048: fit, peak" in out and "margin 0%" in out, out
+    print(f"night 2: job 2 {again['attempts']} attempt, job 3 (cutoff_len 1024) {other['attempts']}; "
+          f"plan: {next(ln for ln in out.splitlines() if 'starting at' in ln).strip()}")
+
+
+def night_two_job(root: Path, **config) -> dict:
+    """The demo's job again, in a fresh output folder; `name` and LLaMA-Factory keys may change."""
+    (root / "work").mkdir(parents=True)
+    (root / "cache").symlink_to(CACHE)
+    job = demo_job(root, memory_limit=DEMO_RLIMIT, launcher=default_launcher(), save_steps=DEMO_SAVE_STEPS)
+    job["supervisor"]["env"].update(QUIET_OMP)
+    name = config.pop("name", None)
+    job.update(config)
+    if name:
+        job["supervisor"]["name"] = name
+    return job
 
 
 @pytest.mark.skipif(detect_cgroup() is None, reason="no writable cgroup memory controller (needs root)")

@@ -42,6 +42,7 @@ from supervisor.judge.policy import rungs as R
 from supervisor.judge.policy import search as S
 from supervisor.judge.policy.evidence import (
     Correction,
+    Record,
     correction,
     evidence_margin,
     outweighed,
@@ -50,6 +51,7 @@ from supervisor.judge.policy.evidence import (
     tier_of,
 )
 from supervisor.judge.policy.observed import (
+    CONFIG_FIELDS,
     MARGINS,
     SETUP_MARGIN,
     TIER_WORDS,
@@ -79,6 +81,8 @@ class Candidate:
     fits: bool
     speed: float
     k: float = 1.0  # the correction applied (1.0 for an observed one)
+    # Observed at this longer cutoff_len, not this one (longer_fit): the bound its fit there gives.
+    longer: int | None = None
 
 
 def label(ctx: JobContext, ov: Overrides) -> str:
@@ -241,10 +245,14 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
     budget = R.host_budget(ctx, policy)
     host_limit = int(budget * (1 - policy.fit_headroom)) if budget else None
     fitted = [Overrides.from_dict(o.overrides) for o in same if o.outcome == "fit"]
+    other_seq = [o for o in observations if id(o) not in skip and tier(key, o.key) == "other_seq"]
     cands = []
     for ov in configurations(ctx, policy, fitted):
         ck = memory_key(ctx, ov)
         rec = own.get(config_sig(ck, ov)) or recs.get(config_sig(ck, ov))
+        longer = None
+        if rec is None:
+            rec, longer = longer_fit(ck, ov, other_seq)
         sp = S.speed(ctx, ov)
         if rec is not None and not rec.fit:
             cands.append(Candidate(ov, label(ctx, ov), rec.peak("gpu"), rec.peak("host"), 0.0, "oom", False, sp))
@@ -279,8 +287,37 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
                 h_lim = None
         fits = all(need is None or limit is None or need * (1 + m) <= limit
                    for need, limit, m in ((gpu, g_lim, m_gpu), (host, h_lim, m_host)))
-        cands.append(Candidate(ov, label(ctx, ov), gpu, host, margin, source, fits, sp, used.k))
+        cands.append(Candidate(ov, label(ctx, ov), gpu, host, margin, source, fits, sp, used.k, longer))
     return Prediction(tuple(cands), gpu_c, host_c, gpu_limit, host_limit, tuple(same), outside)
+
+
+def longer_fit(ck: dict[str, Any], ov: Overrides,
+               other_seq: Sequence[Observation]) -> tuple[Record | None, int | None]:
+    """The same configuration of the same model seen to fit at a longer cutoff_len (and no shorter
+    longest sample), weighed as records() weighs; with the closest such cutoff_len. Activations
+    grow with the sequence and every sample is cut at cutoff_len, so that fit's peak bounds this
+    configuration's: a job at a shorter cutoff_len starts where the longer one fit, where one
+    factor on the estimator, raised by the longer run's OOMs, would put every split over the
+    budget (issue 27: the demo at cutoff_len 1024 after 2048 climbed the ladder again). An OOM of
+    this configuration at a cutoff_len between the two, not outweighed, contradicts it: no bound."""
+    n = len(CONFIG_FIELDS)
+    want = config_sig(ck, ov)
+    seq = ck.get("seq_len") or ck.get("cutoff_len") or 0
+    groups: dict[int, list[Observation]] = {}
+    for o in other_seq:  # the same model at another sequence length (tier "other_seq"), not outweighed
+        sig = config_sig(o.key, o.overrides)
+        cut = o.key.get("cutoff_len") or 0
+        if sig[:n] != want[:n] or sig[n + 1:] != want[n + 1:] or cut < (ck.get("cutoff_len") or 0):
+            continue
+        if o.outcome != "fit" or (o.key.get("seq_len") or cut) >= seq:
+            groups.setdefault(cut, []).append(o)
+    for cut in sorted(groups):
+        rec = records(groups[cut]).get(config_sig(groups[cut][0].key, groups[cut][0].overrides))
+        if rec is not None and not rec.fit:
+            return None, None  # ran out at a cutoff_len between: no bound from a longer one
+        if rec is not None and rec.fit:
+            return rec, cut
+    return None, None
 
 
 def host_need(ctx: JobContext, policy: Policy, ov: Overrides, observations: Sequence[Observation] = ()) -> int | None:
@@ -345,7 +382,12 @@ def reason_for(ctx: JobContext, pred: Prediction, choice: Candidate) -> str:
     where = TIER_WORDS.get(corr.tier or "same_kind", "") if not pred.same_kind else TIER_WORDS["same_kind"]
     head = f"learned: {len(obs)} attempt{'s' if len(obs) != 1 else ''} {where} on this box"
     ran = _what_ran(ctx, obs, choice)
-    if choice.source == "observed":
+    if choice.source == "observed" and choice.longer:
+        cut = R.view_of(ctx, choice.overrides).cutoff
+        peak = choice.gpu_need if choice.gpu_need is not None else choice.host_need
+        basis = (f"observed to fit at cutoff_len {choice.longer} (peak {_gib(peak)}, the largest seen), which needs no "
+                 f"less than cutoff_len {cut}; margin {choice.margin:.0%}")
+    elif choice.source == "observed":
         basis = "observed to fit"
     else:
         res = "GPU" if choice.gpu_need is not None else "host"
