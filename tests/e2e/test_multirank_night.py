@@ -10,6 +10,7 @@ effective batch) is what makes it fit. The product contains no injection.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from supervisor.hooks.markers import parse_emergency
 from supervisor.run.checkpoints import scan_output_dir
 
 from ..conftest import QUIET_OMP, DaemonProc, drop, pids_with_marker, write_config
+from ..conftest_ml import CACHE as ML_CACHE
 from ..conftest_ml import TRAIN_ENV, needs_llamafactory, steps_logged
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]
@@ -48,6 +50,26 @@ def lf_config(out: Path) -> dict:
     # in tests/hooks/test_emergency_ddp.py, where the micro-batch stays).
     cfg.update(finetuning_type="lora", lora_target="all", lora_rank=8, lora_dropout=0.0)
     return cfg
+
+
+def reference_key() -> str:
+    """What an uninterrupted run's losses depend on: the training config (paths under the shared
+    asset cache, whose folder names hash the assets' parameters) and the libraries that train."""
+    from importlib.metadata import version
+
+    cfg = yaml.safe_dump(lf_config(Path("/out"))).replace(str(CACHE), "")
+    libs = [f"{m}=={version(m)}" for m in ("torch", "transformers", "llamafactory", "peft", "accelerate")]
+    return hashlib.sha256("\n".join([cfg, *libs]).encode()).hexdigest()[:16]
+
+
+def cached_reference() -> tuple[Path, dict[int, float] | None]:
+    """The uninterrupted run's per-step losses, kept once measured (no product code takes part in
+    that run, so only the key's inputs can change them): the run costs as much as the night."""
+    path = ML_CACHE / f"lora-ddp-2-ranks-reference-{reference_key()}.json"
+    try:
+        return path, {int(k): v for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError):
+        return path, None
 
 
 def start_reference(root: Path) -> tuple[subprocess.Popen, Path]:
@@ -85,7 +107,8 @@ def test_lora_ddp_night_rank_1_oom_loses_no_step_and_matches_an_uninterrupted_ru
     needs_llamafactory()
     CACHE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    ref_proc, ref_out = start_reference(tmp_path / "reference")
+    ref_path, ref = cached_reference()
+    ref_proc, ref_out = start_reference(tmp_path / "reference") if ref is None else (None, None)
     try:
         job = night_job(tmp_path / "night")
         d = DaemonProc(tmp_path / "state", tmp_path / "spool",
@@ -96,15 +119,22 @@ def test_lora_ddp_night_rank_1_oom_loses_no_step_and_matches_an_uninterrupted_ru
             d.wait_state(1, {"succeeded", "failed"}, timeout=600)
         finally:
             d.stop(signal.SIGTERM)
-        assert ref_proc.wait(timeout=600) == 0, (tmp_path / "reference" / "ref.log").read_text()[-3000:]
+        if ref_proc is not None:
+            assert ref_proc.wait(timeout=600) == 0, (tmp_path / "reference" / "ref.log").read_text()[-3000:]
+            ref = {s: r["loss"] for s, r in steps_logged(ref_out).items()}
+            if sorted(ref) == list(range(1, 10)):
+                ML_CACHE.mkdir(parents=True, exist_ok=True)
+                tmp = ref_path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(ref))
+                os.replace(tmp, ref_path)
     finally:
-        if ref_proc.poll() is None:
+        if ref_proc is not None and ref_proc.poll() is None:
             os.killpg(ref_proc.pid, signal.SIGKILL)
             ref_proc.wait()
-    check_night(d, job, ref_out, took=time.monotonic() - t0)
+    check_night(d, job, ref, took=time.monotonic() - t0)
 
 
-def check_night(d: DaemonProc, job: dict, ref_out: Path, *, took: float) -> None:
+def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float) -> None:
     shown = d.show(1)
     assert shown["state"] == "succeeded", json.dumps(shown, indent=1, default=str)[-6000:]
     attempts = shown["attempt_list"]
@@ -138,9 +168,9 @@ def check_night(d: DaemonProc, job: dict, ref_out: Path, *, took: float) -> None
     assert pids_with_marker(str(d.state)) == []
 
     # 3. the night's per-step losses are the uninterrupted 2-rank run's
-    ref, got = steps_logged(ref_out), steps_logged(out)
+    got = {s: r["loss"] for s, r in steps_logged(out).items()}
     assert sorted(got) == sorted(ref) == list(range(1, 10))
-    rel = {s: abs(got[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in ref}
-    assert all(math.isclose(got[s]["loss"], ref[s]["loss"], rel_tol=1e-5) for s in ref), (got, ref, rel)
+    rel = {s: abs(got[s] - ref[s]) / abs(ref[s]) for s in ref}
+    assert all(math.isclose(got[s], ref[s], rel_tol=1e-5) for s in ref), (got, ref, rel)
     print(f"2-rank LoRA night: {len(attempts)} attempts, steps lost {[a['steps_lost'] for a in attempts]}, "
-          f"save {note['save_s']} s, max relative loss diff {max(rel.values()):.2e}, {took:.0f} s with the reference")
+          f"save {note['save_s']} s, max relative loss diff {max(rel.values()):.2e}, {took:.0f} s")
