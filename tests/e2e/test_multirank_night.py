@@ -158,7 +158,11 @@ def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float)
     # 2. 0 finished steps lost on every attempt; every later attempt resumed from checkpoint-8 with
     #    a smaller micro-batch and the same effective batch on the same 2 ranks
     assert all(a["steps_lost"] == 0 for a in attempts), [(a["number"], a["steps_lost"]) for a in attempts]
+    started = [e["data"] for e in shown["events"] if e["kind"] == "attempt_started"]
+    assert [s["world_size"] for s in started] == [RANKS] * len(attempts), started
     for a in attempts[1:]:
+        env = json.loads((d.state / f"jobs/1/attempt-{a['number']}/environment.json").read_text())["env"]
+        assert env["NPROC_PER_NODE"] == str(RANKS), env  # the effective batch counts the ranks too
         eff = yaml.safe_load((d.state / f"jobs/1/attempt-{a['number']}/effective.yaml").read_text())
         assert eff["per_device_train_batch_size"] < MICRO
         assert eff["per_device_train_batch_size"] * eff["gradient_accumulation_steps"] == MICRO * ACCUM
