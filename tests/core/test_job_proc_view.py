@@ -13,6 +13,7 @@ PROBE = ("import os, psutil; psutil.Process().memory_info(); "
          "print('own /proc ok')")
 
 
+@pytest.mark.slow  # a real daemon
 def test_a_job_in_its_own_pid_namespace_sees_its_own_pids_in_proc(daemon, tmp_path):
     daemon.start()
     drop(daemon.spool, "probe.yaml", command_job(tmp_path / "work", [sys.executable, "-c", PROBE], name="probe"))
