@@ -51,6 +51,8 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_SLAVE = 0x2, 0x4, 0x8, 0x4000, 0x80000
 IN_PID_NAMESPACE = False  # this shim is the init of the attempt's own PID namespace
 EXIT_RESERVE_BYTES = 64 << 10
 INIT_COMM = "oomsv-init"  # the shim as PID 1 of the attempt's own PID namespace
@@ -216,9 +218,25 @@ def _enter_pid_namespace(pidns_file: str | None) -> int | None:
     return 128 - code if code < 0 else code
 
 
+def _own_proc() -> None:
+    """In the job (our PID namespace's child), a /proc of that namespace in a mount namespace of
+    its own: the host's /proc numbers nothing by the job's pids, so `/proc/<os.getpid()>` (psutil,
+    DeepSpeed's CPU accelerator in every LLaMA-Factory rank) read another process, or none. The
+    shim keeps the host's /proc, which its pid translation and the daemon rely on; the host's
+    later mounts still reach the job (a slave, not a private, copy)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    if (libc.unshare(CLONE_NEWNS) != 0 or libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None) != 0
+            or libc.mount(b"proc", b"/proc", b"proc", flags, None) != 0):
+        os.write(2, f"oom-supervisor: the job sees the host's /proc (own /proc: errno {ctypes.get_errno()})\n"
+                 .encode())
+
+
 def _preexec(spec: dict) -> None:
     """Runs in the child between fork and exec: limits, then cgroup membership."""
     os.setpgid(0, 0)  # its own group, so a terminal-style killpg never hits the shim
+    if IN_PID_NAMESPACE:
+        _own_proc()
     for name, value in (spec.get("rlimits") or {}).items():
         res = getattr(resource, name)
         resource.setrlimit(res, (int(value), int(value)))

@@ -179,29 +179,5 @@ def lf_run(root: Path, name: str, cfg: dict, port: int, oom_forward: int = 0, oo
     return rc, log.read_text(errors="replace")
 
 
-def test_llamafactory_lora_ddp_forward_oom_on_rank_1_saves_the_replica_and_resumes_exactly(tmp_path):
-    from tests.conftest_ml import steps_logged
-
-    rc, log = lf_run(tmp_path, "ref", lf_job(tmp_path / "ref"), 29577)
-    assert rc == 0, log[-3000:]
-    out = tmp_path / "out"
-    # Rank 1's 13th forward is the first micro-batch of step 7: steps 5 and 6 are newer than checkpoint-4.
-    rc, log = lf_run(tmp_path, "oom", lf_job(out), 29578, oom_forward=13, oom_rank=1)
-    assert rc != 0 and "DefaultCPUAllocator: can't allocate memory" in log
-    em = parse_emergency(log.splitlines())
-    assert (em.outcome, em.step, em.path, em.rng_ranks) == ("saved", 6, str(out / "checkpoint-6"), (0, 1)), markers(log)
-    scan = scan_output_dir(out, expected_world_size=2)
-    assert [c.step for c in scan.complete] == [4, 6] and scan.incomplete == ()
-    regular = {p.name for p in (out / "checkpoint-4").iterdir()}
-    assert "adapter_model.safetensors" in regular
-    assert {p.name for p in (out / "checkpoint-6").iterdir()} == regular | {NOTE}
-    note = json.loads((out / "checkpoint-6" / NOTE).read_text())
-    print(f"LLaMA-Factory LoRA DDP: save {note['save_s']} s (RNG answers after {note['rng_wait_s']} s)")
-
-    rc, log2 = lf_run(tmp_path, "resume", lf_job(out, resume_from_checkpoint=str(out / "checkpoint-6")), 29579)
-    assert rc == 0, log2[-3000:]
-    ref, got = steps_logged(tmp_path / "ref"), steps_logged(out)
-    assert sorted(got) == sorted(ref) == list(range(1, 10))  # 0 finished steps lost
-    for step in ref:
-        assert math.isclose(got[step]["loss"], ref[step]["loss"], rel_tol=1e-5), (step, got[step], ref[step])
-    print("LLaMA-Factory max relative loss delta:", max(abs(got[s]["loss"] - ref[s]["loss"]) / ref[s]["loss"] for s in ref))
+# The real LLaMA-Factory LoRA-under-DDP replica save and its 2-rank resume are proven through the
+# daemon in tests/e2e/test_multirank_night.py (which replaced the direct run that stood here).
