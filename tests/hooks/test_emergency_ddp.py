@@ -38,11 +38,10 @@ def close(a: dict[int, float], b: dict[int, float]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ddp_reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ddpref")
-    rc, log = run(root / "out", "--rank-seed", hook=None, launcher=torchrun(29571), timeout=400)
-    assert rc == 0, log[-3000:]
-    return losses(log)
+def ddp_reference():
+    from tests.hooks.reference import ddp_losses
+
+    return ddp_losses(torchrun(29571))  # made once per box, shared with the ZeRO tests
 
 
 def test_forward_oom_on_rank_1_saves_the_replica_and_a_2_rank_resume_is_exact(tmp_path, ddp_reference):
