@@ -62,7 +62,15 @@ fixed shuffled order; each first attempt learns from every earlier job of its GP
 fine-tuning type, siblings and other sequence lengths included): `night1` / `night2` give the
 first-attempt fit rate, the cost (median, p90) and the share of jobs above 1.25x the best.
 
-    python bench/bench_policy.py [--policy default] [--json] [--scenario NAME] [--learned]
+With `--nights`, only the two nights, with the bench split once into a development part and a
+held-out part (`part_of`: a hash of the job's model, cutoff_len and GPU, ~35% of those groups,
+plus a grid of model shapes, sequence lengths, GPUs and host sizes the policy was never tuned on,
+HELDOUT_*, run in a store of its own): per part and night the first-attempt fit rate and cost
+median / max against the best feasible configuration, and per case the jobs night 2 does worse
+on (night 1 fitted and night 2 did not; night 2's final configuration costs more). Held-out
+cases are counted, listed only with `--show-heldout`: rules are written from development cases.
+
+    python bench/bench_policy.py [--policy default] [--json] [--scenario NAME] [--learned | --nights]
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import itertools
 import json
 import statistics
@@ -112,6 +121,22 @@ MODELS = {  # name: config.json numbers (Qwen2.5 / Llama-3 shapes)
     "70B": dict(hidden_size=8192, num_hidden_layers=80, intermediate_size=28672, vocab_size=128256,
                 num_attention_heads=64, num_key_value_heads=8),
 }
+# The held-out grid (`--nights`): shapes, sequence lengths, GPUs and hosts the policy was never tuned
+# on, from the same simulator. Llama-3.2-1B and Qwen2.5-7B share a vocabulary with grid models
+# (siblings to learn from), gemma-2-9b and Yi-34B with none.
+HELDOUT_MODELS = {
+    "1B": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, vocab_size=128256,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944, vocab_size=152064,
+               num_attention_heads=28, num_key_value_heads=4),
+    "9B": dict(hidden_size=3584, num_hidden_layers=42, intermediate_size=14336, vocab_size=256000,
+               num_attention_heads=16, num_key_value_heads=8, head_dim=256, tie_word_embeddings=True),
+    "34B": dict(hidden_size=7168, num_hidden_layers=60, intermediate_size=20480, vocab_size=64000,
+                num_attention_heads=56, num_key_value_heads=8),
+}
+HELDOUT_SEQ_LENS = (1536, 3072, 6144)
+HELDOUT_GPU_GIB = (40, 64, 96)
+HELDOUT_HOST_GIB = (64, 256, 1024)  # where the scenario does not set the host
 SEQ_LENS = (1024, 2048, 4096, 8192)
 GPU_GIB = (24, 48, 80, 192)
 OVERHEAD = int(1.5 * GiB)  # context, cuBLAS/hipBLAS workspaces, NCCL buffers
@@ -166,9 +191,18 @@ def config_of(case: Case, ov: Overrides, ctx: JobContext) -> Config:
                   v.cutoff if v.cutoff != case.seq else None, capped)
 
 
+def model_config(name: str) -> dict:
+    return MODELS[name] if name in MODELS else HELDOUT_MODELS[name]
+
+
+@functools.cache
+def shape_of(name: str):
+    return shape_from_config(model_config(name))
+
+
 def true_memory(case: Case, cfg: Config) -> tuple[int, int, int, int]:
     """(gpu_peak_bytes, host_bytes, weights_on_gpu_at_load, largest_single_allocation)."""
-    shape = shape_from_config(MODELS[case.model])
+    shape = shape_of(case.model)
     p, lil = shape.params, shape.largest_layer_params
     t = 1.0 if case.finetuning == "full" else LORA_SHARE
     trainable, frozen = p * t, p * (1 - t)
@@ -193,7 +227,7 @@ def true_memory(case: Case, cfg: Config) -> tuple[int, int, int, int]:
 
 def throughput(case: Case, cfg: Config) -> float:
     """Tokens per second."""
-    shape = shape_from_config(MODELS[case.model])
+    shape = shape_of(case.model)
     p = shape.params
     tokens = cfg.micro * (cfg.seq or case.seq)
     eff = tokens / (tokens + 1536)  # small micro-batches use the GPU less well
@@ -233,7 +267,7 @@ def fits(case: Case, cfg: Config, held_by_others: int = 0) -> tuple[bool, Diagno
     frag = case.fragmented and not cfg.allocator and peak / (1 + FRAG_SHARE) <= cap
     numbers = {"total_capacity": cap, "free": free,
                "tried_to_allocate": min(largest, peak - cap + free) if phase == Phase.TRAIN_STEP
-               else min(weights + OVERHEAD - cap + free, 4 * shape_from_config(MODELS[case.model]).largest_layer_params)}
+               else min(weights + OVERHEAD - cap + free, 4 * shape_of(case.model).largest_layer_params)}
     if frag:
         numbers["reserved_unallocated"] = int(peak - peak / (1 + FRAG_SHARE))
     return False, Diagnosis(Category.GPU_OOM, "HIP out of memory", vendor="hip", phase=phase,
@@ -312,7 +346,7 @@ def refused_pair(case: Case, ov: Overrides, ctx: JobContext) -> str | None:
 
 
 def context_of(case: Case) -> JobContext:
-    shape = shape_from_config(MODELS[case.model])
+    shape = shape_of(case.model)
     config = {"model_name_or_path": f"/models/{case.model}", "stage": "sft", "finetuning_type": case.finetuning,
               "per_device_train_batch_size": case.micro, "gradient_accumulation_steps": case.accum,
               "cutoff_len": case.seq, "bf16": True, "disable_gradient_checkpointing": not case.gc_on}
@@ -415,15 +449,43 @@ SCENARIOS = {
 }
 
 
-def cases_for(scenario: str):
+def cases_for(scenario: str, grid: str = "tuned"):
+    """The scenario's cases on the grid the policy was tuned on (`tuned`) or on the held-out grid
+    of new shapes (`new`: HELDOUT_*; the host, where the scenario leaves it, by the case's hash)."""
     extra = SCENARIOS[scenario]
-    for model, seq, gpu, ft, gc_on, frag in itertools.product(MODELS, SEQ_LENS, GPU_GIB, ("full", "lora"),
-                                                              (True, False), (False, True)):
+    dims = ((MODELS, SEQ_LENS, GPU_GIB) if grid == "tuned" else (HELDOUT_MODELS, HELDOUT_SEQ_LENS, HELDOUT_GPU_GIB))
+    for model, seq, gpu, ft, gc_on, frag in itertools.product(*dims, ("full", "lora"), (True, False), (False, True)):
         case = Case(model, seq, gpu, ft, gc_on, frag, **extra)
+        if grid != "tuned" and "host_gib" not in extra:
+            case = dataclasses.replace(case, host_gib=HELDOUT_HOST_GIB[_hash(_identity(case)) % len(HELDOUT_HOST_GIB)])
         user_fits = fits(case, Config(case.micro, case.accum, 1 if gc_on else 0, 0, False))[0]
         # foreign: only jobs that fit on a free GPU; elsewhere: only jobs that need a remedy
         if user_fits == (scenario == "foreign"):
             yield case
+
+
+HELDOUT_PERCENT = 35
+
+
+def _hash(text: str) -> int:
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+
+
+def _identity(case: Case) -> str:
+    """The case as its fields that differ from their defaults: a field added later with a default
+    moves no case."""
+    return "|".join(f"{f.name}={getattr(case, f.name)}" for f in dataclasses.fields(case)
+                    if getattr(case, f.name) != f.default)
+
+
+def part_of(case: Case) -> str:
+    """Split once by a hash nobody chooses, as bench_classifier.part_of does for threads: a job's
+    variants (fine-tuning type, checkpointing, fragmentation, scenario) fall together with their
+    model, cutoff_len and GPU, adding cases never moves one, and about HELDOUT_PERCENT% of the
+    tuned grid is held out. Every case of the new-shape grid is held out."""
+    if case.model not in MODELS or case.seq not in SEQ_LENS or case.gpu_gib not in GPU_GIB:
+        return "heldout"
+    return "heldout" if _hash(f"{case.model}|{case.seq}|{case.gpu_gib}") % 100 < HELDOUT_PERCENT else "dev"
 
 
 def summarise(scenario: str, policy) -> tuple[dict, list[dict]]:
@@ -500,7 +562,7 @@ def _source(case: Case, how: str) -> Case | None:
         i = SEQ_LENS.index(case.seq)
         return dataclasses.replace(case, seq=SEQ_LENS[i - 1] if i else SEQ_LENS[1])
     names = list(MODELS)
-    vocab = MODELS[case.model]["vocab_size"]
+    vocab = model_config(case.model)["vocab_size"]
     sibs = [m for m in names if m != case.model and MODELS[m]["vocab_size"] == vocab]
     if not sibs:
         return None
@@ -571,45 +633,132 @@ def _kind(case: Case) -> tuple:
     return case.finetuning, case.gpu_gib, case.world
 
 
-def nights(policy, scenario: str, count: int = 2) -> dict:
-    """The whole grid `count` nights in a row in ONE observation store, as a daemon runs it: each
-    job's refusal and first attempt see every observation of its kind so far (siblings, other
-    sequence lengths and, from night 2 on, itself). First-attempt fit and cost per night."""
+def run_nights(policy, cases: list[Case], count: int = 2) -> dict[Case, list[dict]]:
+    """`cases` `count` nights in a row in ONE observation store, as a daemon runs them (a fixed
+    shuffled order): each job's refusal and first attempt see every observation of its kind so far
+    (siblings, other sequence lengths and, from night 2 on, itself). Per case and night: fit,
+    first_fit, refused and cost (best feasible throughput / the final configuration's; None
+    when it did not fit or nothing is feasible)."""
     import random
 
-    cases = list(cases_for(scenario))
+    cases = list(cases)
     random.Random(16).shuffle(cases)
     store: dict[tuple, list] = {}
     best = {c: best_feasible(c) for c in cases}
-    out = {}
+    out: dict[Case, list[dict]] = {c: [] for c in cases}
     clock = 0
-    for night in range(1, count + 1):
-        fit, cost, refused_ok, n = [], [], 0, 0
+    for _night in range(count):
         for case in cases:
-            feasible = best[case] is not None
             pool = store.setdefault(_kind(case), [])
             start, _ = learn.initial_overrides(context_of(case), policy, pool)
             r = run_case(case, policy, start, observations=pool)
-            if r.get("refused") and feasible:
-                refused_ok += 1
-            if feasible:
-                n += 1
-                fit.append(bool(r.get("first_fit")))
-                if r["fit"]:
-                    cost.append(best[case][1] / throughput(case, r["config"]))
+            cost = best[case][1] / throughput(case, r["config"]) if r["fit"] and best[case] else None
+            out[case].append({"fit": r["fit"], "first_fit": bool(r.get("first_fit")), "refused": bool(r.get("refused")),
+                              "feasible": best[case] is not None, "cost": cost})
             for o in observations_of(case, r.get("trail", [])):
                 clock += 1
                 pool.append(dataclasses.replace(o, time=float(clock)))
-        out[f"night{night}"] = {
-            "cases": n, "first_attempt_fit": round(sum(fit) / n, 3) if n else None,
+    return out
+
+
+def nights(policy, scenario: str, count: int = 2) -> dict:
+    """The tuned grid `count` nights in one store (run_nights): first-attempt fit and cost per night."""
+    per_case = run_nights(policy, list(cases_for(scenario)), count)
+    out = {}
+    for night in range(count):
+        rs = [runs[night] for runs in per_case.values() if runs[night]["feasible"]]
+        cost = [r["cost"] for r in rs if r["cost"] is not None]
+        n = len(rs)
+        out[f"night{night + 1}"] = {
+            "cases": n, "first_attempt_fit": round(sum(r["first_fit"] for r in rs) / n, 3) if n else None,
             "cost_median": round(statistics.median(cost), 3) if cost else None,
             "cost_p90": round(pct(cost, 0.9), 3) if cost else None,
-            "above_1.25x": sum(1 for c in cost if c > 1.25), "runnable_refused": refused_ok}
+            "above_1.25x": sum(1 for c in cost if c > 1.25), "runnable_refused": sum(r["refused"] for r in rs)}
     return out
+
+
+# Night 2 costs more than night 1 when its final configuration is slower by more than float noise.
+WORSE_TOLERANCE = 1e-6
+
+
+def part_figures(per_case: dict[Case, list[dict]]) -> dict:
+    """Night 1 and 2 over feasible cases: first-attempt fit, cost median and max, and the cases
+    where night 2 is worse than night 1 (night 1 fitted and night 2 did not; night 2's final
+    configuration costs more)."""
+    rows = [(c, runs) for c, runs in per_case.items() if runs[0]["feasible"]]
+    out: dict = {"cases": len(rows)}
+    for night in (0, 1):
+        cost = [runs[night]["cost"] for _, runs in rows if runs[night]["cost"] is not None]
+        out[f"night{night + 1}"] = {
+            "first_attempt_fit": round(sum(runs[night]["first_fit"] for _, runs in rows) / len(rows), 3) if rows else None,
+            "fitted": sum(runs[night]["fit"] for _, runs in rows),
+            "cost_median": round(statistics.median(cost), 3) if cost else None,
+            "cost_max": round(max(cost), 3) if cost else None,
+            "above_1.25x": sum(1 for c in cost if c > 1.25)}
+    failed = [c for c, (a, b) in rows if a["fit"] and not b["fit"]]
+    dearer = [(c, a["cost"], b["cost"]) for c, (a, b) in rows
+              if a["cost"] is not None and b["cost"] is not None and b["cost"] > a["cost"] * (1 + WORSE_TOLERANCE)]
+    out["night2_failed_where_night1_fit"] = [_label(c) for c in failed]
+    out["night2_costs_more"] = [f"{_label(c)}: {a:.3f} -> {b:.3f}" for c, a, b in sorted(dearer, key=lambda t: t[1] - t[2])]
+    return out
+
+
+def sample(cases, share: int = 100) -> list[Case]:
+    """`share`% of the cases, by a hash of each (nobody chooses; the same ones every run)."""
+    return [c for c in cases if share >= 100 or _hash(_identity(c) + "|sample") % 100 < share]
+
+
+def parts(policy, scenario: str, share: int = 100) -> dict:
+    """Two nights of the tuned grid and, in a store of its own, of the new-shape grid (their GPUs
+    differ, so no job of one is of the other's kind); figures per part: `dev`, `heldout` (the
+    tuned grid's held-out share and the new-shape grid) and `heldout_new` (the new shapes alone)."""
+    per_case = run_nights(policy, sample(cases_for(scenario), share))
+    per_case.update(run_nights(policy, sample(cases_for(scenario, "new"), share)))
+    new = {c for c in per_case if c.model not in MODELS}
+    return {"dev": part_figures({c: r for c, r in per_case.items() if part_of(c) == "dev"}),
+            "heldout": part_figures({c: r for c, r in per_case.items() if part_of(c) == "heldout"}),
+            "heldout_new": part_figures({c: r for c, r in per_case.items() if c in new})}
 
 
 def _label(c: Case) -> str:
     return f"{c.model} seq {c.seq} {c.gpu_gib} GiB {c.finetuning} gc={c.gc_on} frag={c.fragmented}"
+
+
+PART_ROWS = (("first_attempt_fit", "first-attempt fit"), ("cost_median", "cost median"), ("cost_max", "cost max"),
+             ("above_1.25x", "cost above 1.25x"), ("fitted", "fitted (any attempt)"))
+
+
+def print_parts(policy, names: list[str], as_json: bool, show_heldout: bool, share: int = 100) -> int:
+    """--nights: per scenario, night 1 and 2 of each part side by side, and the cases where night 2
+    is worse than night 1 (held-out ones counted, listed only with --show-heldout)."""
+    out = {}
+    for name in names:
+        fig = parts(policy, name, share)
+        if not show_heldout:
+            for part in ("heldout", "heldout_new"):
+                for k in ("night2_failed_where_night1_fit", "night2_costs_more"):
+                    fig[part][k] = len(fig[part][k])
+        out[name] = fig
+        if as_json:
+            continue
+        cols = ("dev", "heldout", "heldout_new")
+        print(f"=== {name}: two nights in one store (cost = best feasible throughput / the final configuration's)")
+        print(f"{'':>34}" + "".join(f"{c:>14}" for c in ("development", "held-out", "(new shapes)")))
+        print(f"{'cases':>34}" + "".join(f"{fig[c]['cases']:>14}" for c in cols))
+        for night in ("night1", "night2"):
+            for key, words in PART_ROWS:
+                print(f"{night + ' ' + words:>34}" + "".join(f"{fig[c][night][key]!s:>14}" for c in cols))
+        for key, words in (("night2_failed_where_night1_fit", "night 2 failed where night 1 fit"),
+                           ("night2_costs_more", "night 2 costs more than night 1")):
+            vals = [fig[c][key] for c in cols]
+            print(f"{words:>34}" + "".join(f"{v if isinstance(v, int) else len(v):>14}" for v in vals))
+            for c in cols[:2]:
+                for v in (fig[c][key] if isinstance(fig[c][key], list) else [])[:20]:
+                    print(f"{'':>6}{c}: {v}")
+        print()
+    if as_json:
+        print(json.dumps(out if len(out) > 1 else out[names[0]], indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -620,11 +769,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
     ap.add_argument("--learned", action="store_true",
                     help="also: first-attempt fit and cost without / with learned observations")
+    ap.add_argument("--nights", action="store_true",
+                    help="only: two nights in one store, the development and held-out parts side by side")
+    ap.add_argument("--sample", type=int, default=100, metavar="PERCENT",
+                    help="with --nights: run only this share of the cases (by hash; the test's subset)")
+    ap.add_argument("--show-heldout", action="store_true",
+                    help="with --nights: list the held-out cases where night 2 is worse (not to tune on)")
     args = ap.parse_args(argv)
     global NO_SHAPE
     NO_SHAPE = args.no_shape
     policy = load_policy(args.policy, search_dirs=[BUILTIN_POLICY_DIR])
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    if args.nights:
+        return print_parts(policy, names, args.json, args.show_heldout, args.sample)
     out = {}
     for name in names:
         summary, results = summarise(name, policy)

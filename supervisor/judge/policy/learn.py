@@ -83,6 +83,10 @@ class Candidate:
     k: float = 1.0  # the correction applied (1.0 for an observed one)
     # Observed at this longer cutoff_len, not this one (longer_fit): the bound its fit there gives.
     longer: int | None = None
+    own: bool = False  # this job's own attempts fit it (it ran here, under this name)
+    # What slows it that the speed estimate models, each larger = slower: -micro-batch,
+    # checkpointing (off, on, in host RAM), optimizer offload, parameter offload (slowdowns()).
+    slows: tuple[int, ...] = ()
 
 
 def label(ctx: JobContext, ov: Overrides) -> str:
@@ -198,12 +202,35 @@ class Prediction:
 
     @property
     def chosen(self) -> Candidate | None:
+        """The fastest candidate predicted to fit; never one slower than this job's own fit: a
+        configuration that adds what the speed estimate only guesses at (checkpointing, an offload,
+        a smaller micro-batch) replaces the job's own fit only when it is predicted SPEED_MARGIN
+        faster."""
         ok = [c for c in self.candidates if c.fits]
+        own = [c for c in ok if c.own]
+        if own:
+            floor = max(own, key=lambda c: c.speed)
+            ok = [c for c in ok if c is floor or (c.speed > floor.speed and (
+                all(a <= b for a, b in zip(c.slows, floor.slows)) or c.speed >= floor.speed * (1 + SPEED_MARGIN)))]
         return max(ok, key=lambda c: (c.speed, c.source == "observed", -len(c.overrides.rungs))) if ok else None
 
     @property
     def learned(self) -> bool:
         return bool(self.gpu.basis or self.host.basis)
+
+
+# How much faster (search.speed) a start must be predicted than the job's own fit when it adds a
+# slowdown that fit has not: the speed estimate's factors are leads (checkpointing 0.8 where
+# recomputation costs 25%, one offload cost for every model size). bench_policy --nights, base,
+# development part: night 2 cost more than night 1 for 4 jobs at 0 (6.6% and 0.75% predicted gains
+# that were 6% and 26% losses), 0 at 0.10.
+SPEED_MARGIN = 0.10
+
+
+def slowdowns(ctx: JobContext, ov: Overrides) -> tuple[int, ...]:
+    v = R.view_of(ctx, ov)
+    gc = 0 if not v.gc_on else (2 if v.unsloth_gc else 1)
+    return (-v.micro, gc, int(v.setup.offload_optimizer), int(v.setup.offload_param))
 
 
 def margin_of(ctx: JobContext, c: Correction, resource: str) -> float:
@@ -254,8 +281,10 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
         if rec is None:
             rec, longer = longer_fit(ck, ov, other_seq)
         sp = S.speed(ctx, ov)
+        slows = slowdowns(ctx, ov)
         if rec is not None and not rec.fit:
-            cands.append(Candidate(ov, label(ctx, ov), rec.peak("gpu"), rec.peak("host"), 0.0, "oom", False, sp))
+            cands.append(Candidate(ov, label(ctx, ov), rec.peak("gpu"), rec.peak("host"), 0.0, "oom", False, sp,
+                                   slows=slows))
             continue
         pg, ph = predict_gpu(ctx, ov), predict_host(ctx, ov)
         sig = setup_of(ck, ov)
@@ -287,7 +316,9 @@ def predict(ctx: JobContext, policy: Policy, observations: Sequence[Observation]
                 h_lim = None
         fits = all(need is None or limit is None or need * (1 + m) <= limit
                    for need, limit, m in ((gpu, g_lim, m_gpu), (host, h_lim, m_host)))
-        cands.append(Candidate(ov, label(ctx, ov), gpu, host, margin, source, fits, sp, used.k, longer))
+        mine = own.get(config_sig(ck, ov))
+        cands.append(Candidate(ov, label(ctx, ov), gpu, host, margin, source, fits, sp, used.k, longer,
+                               own=mine is not None and mine.fit, slows=slows))
     return Prediction(tuple(cands), gpu_c, host_c, gpu_limit, host_limit, tuple(same), outside)
 
 
