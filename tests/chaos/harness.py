@@ -76,6 +76,13 @@ def trainings(work: Path) -> list[int]:
     return [p for p in live_pids(str(work)) if _is_workload(p)]
 
 
+def grandchild_of(work: Path, outdir: Path) -> int | None:
+    """The host's pid of the job's escaped grandchild. Not what the job wrote: an attempt in a PID
+    namespace of its own sees that namespace's /proc, so its own idea of its pid is not the host's."""
+    found = [p for p in trainings(work) if _argv_has(p, "--grandchild") and _argv_has(p, str(outdir))]
+    return found[0] if len(found) == 1 else None
+
+
 def shims(state: Path) -> list[int]:
     return [p for p in live_pids(str(state)) if _argv_has(p, "supervisor.run.shim")]
 

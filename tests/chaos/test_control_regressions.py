@@ -19,7 +19,7 @@ from supervisor import cli
 from supervisor.run.limits import detect_cgroup
 from tests.conftest import drop
 
-from .harness import TERMINAL, alive, exclusive_job, explain, kill_all, shims, trainings
+from .harness import TERMINAL, alive, exclusive_job, explain, grandchild_of, kill_all, shims, trainings
 
 
 def _why(chaos, job: int = 1) -> str:
@@ -238,7 +238,8 @@ def test_escaped_grandchild_keeps_the_job_and_its_gpu_held(chaos, how):
                                                "--ignore-term", name="ga", gpus=[0]))
     gc_file = a_out / "grandchild.pid"
     chaos.rec.wait(lambda: gc_file.exists() and gc_file.read_text().strip(), 30, "grandchild", d)  # written, not just made
-    gc = int(gc_file.read_text())
+    gc = grandchild_of(chaos.work, a_out)
+    assert gc is not None, f"no grandchild process of {a_out} found from outside"
     drop(chaos.spool, "gb.yaml", exclusive_job(chaos.work, b_out, "--steps=3", "--interval=0.1", name="gb", gpus=[0]))
     chaos.rec.wait(lambda: chaos.rec.state(2) is not None, 20, "job 2 accepted", d)
     if how == "daemon-and-shim-killed":

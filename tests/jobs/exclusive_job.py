@@ -117,8 +117,9 @@ def flood(seconds: float) -> None:
 
 
 def proc_pid() -> int:
-    """Our pid as the host's /proc numbers it (the attempt may run in a PID namespace of its own,
-    where getpid() is small): the tests look processes up from outside."""
+    """Our pid as the /proc we see numbers it: the host's, unless the attempt runs in a PID
+    namespace of its own, which has its own /proc too (tests find the host's pid from outside,
+    harness.grandchild_of)."""
     try:
         return int(os.readlink("/proc/self"))
     except (OSError, ValueError):
