@@ -7,6 +7,8 @@ from __future__ import annotations
 from supervisor.core.models import Evidence
 from supervisor.judge.diagnosis.rules import (
     ANSI_RE,
+    exception_class,
+    split_prefix,
 )
 from supervisor.judge.diagnosis.scan_patterns import (
     _DIGITS,
@@ -247,9 +249,37 @@ class StreamReading:
                 ws, we = ls, le
             self._handle_window(buf, ws, we, ls, line_no, fatal)
             skip_until = we
+            if count_lines and line_no in self._tb_at.values():  # a traceback frame: its exception may follow
+                skip_until = max(skip_until, self._exception_after_frame(buf, le, end, line_no, fatal))
         if not count_lines:
             return 0
         return (line_no - first_line) + buf.count(b"\n", counted, end)
+
+    def _exception_after_frame(self, buf: bytes, le: int, end: int, line_no: int, fatal: list[Evidence]) -> int:
+        """Read the exception line that ends a traceback although it holds no keyword: a class without an
+        Error or Exception suffix (psutil.NoSuchProcess). It is the first unindented line within TB_GAP
+        lines of the last frame (the frame's code and caret lines come between, indented); a line with
+        a keyword stops the look (the main loop reads it, in order). Returns where the line read ends."""
+        ls = le + 1
+        for k in range(1, TB_GAP + 1):
+            if ls >= end:
+                break
+            e = buf.find(b"\n", ls, end)
+            e = end if e < 0 else e
+            line = buf[ls:e]
+            if e - ls > SHAPE_LINE or _PIECE_FILTER.search(line) or b"\r" in line:
+                break
+            text = line.decode("utf-8", "replace")
+            if "\x1b" in text:
+                text = ANSI_RE.sub("", text)
+            seg = split_prefix(text, self._prefixes)
+            at = text.find(seg.text) if seg.text else -1
+            indented = at > 0 and (text[:at].endswith("  ") or text[:at].endswith("\t"))
+            if at >= 0 and not indented and exception_class(seg.text) is not None:
+                self._handle_window(buf, ls, e, ls, line_no + k, fatal)
+                return e
+            ls = e + 1
+        return -1
 
     def _handle_window(self, buf: bytes, ws: int, we: int, ls: int, line_no: int, fatal: list[Evidence]) -> None:
         if self._line_key[0] != line_no:
