@@ -19,7 +19,16 @@ from supervisor import cli
 from supervisor.run.limits import detect_cgroup
 from tests.conftest import drop
 
-from .harness import TERMINAL, alive, exclusive_job, explain, grandchild_of, kill_all, shims, trainings
+from .harness import (
+    TERMINAL,
+    alive,
+    exclusive_job,
+    explain,
+    grandchild_of,
+    kill_all,
+    shims,
+    trainings,
+)
 
 
 def _why(chaos, job: int = 1) -> str:
