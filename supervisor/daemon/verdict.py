@@ -336,7 +336,7 @@ class Verdicts:
 
     def host_evidence(self, act: Active, raw: dict) -> HostEvidence:
         cg = act.handle.cgroup
-        pids = {p for p in (raw.get("pid"),) if p}
+        pids = attempt_pids(raw, act.handle)
         peak = max(act.peak_rss, int(raw.get("peak_rss_bytes") or 0))  # the shim's own samples too
         kills = None
         if cg is not None:
@@ -406,3 +406,10 @@ def peak_measure(act: Active, host: HostEvidence) -> str | None:
     if act.peak_measure and act.peak_rss >= host.peak_rss_bytes:
         return act.peak_measure
     return "the cgroup's own peak count" if act.handle.cgroup is not None else PSS
+
+
+def attempt_pids(raw: dict, handle: proctree.Handle) -> set[int]:
+    """Every process the attempt was seen to have: a kernel OOM kill names the rank it killed, which
+    without a cgroup is not the main process the shim reports (torchrun's agent outlives it)."""
+    known = handle.owner.known if handle.owner is not None else {}
+    return {int(p) for p in (raw.get("pid"), *known) if p}

@@ -48,9 +48,10 @@ def read_window(since: float, until: float | None = None, *, pids: Iterable[int]
                 cgroup: str | None = None) -> KernelLog:
     """Kernel log lines from [since, until] (wall-clock seconds) that may explain an attempt's end.
 
-    OOM-killer lines are kept only when they name one of `pids` or the `cgroup` path (when either is
-    given: another job's kill is not this one's); device lines (Xid, AER, amdgpu) are kept whatever
-    process they name, since a faulty GPU fails every job on it.
+    OOM-killer lines are kept only when they name one of `pids` or the `cgroup` path: another job's
+    kill is not this one's, and with neither there is nothing to tell them apart, so none is kept.
+    Device lines (Xid, AER, amdgpu) are kept whatever process they name, since a faulty GPU fails
+    every job on it.
     """
     until = time.time() if until is None else until
     lo, hi = since - SLACK_S, until + SLACK_S
@@ -71,7 +72,7 @@ def read_window(since: float, until: float | None = None, *, pids: Iterable[int]
 
 
 def _ours(line: str, pids: set[int], cgroup: str | None) -> bool:
-    if not KERNEL_OOM_RE.search(line) or (not pids and not cgroup):
+    if not KERNEL_OOM_RE.search(line):
         return True
     if cgroup and cgroup in line:
         return True

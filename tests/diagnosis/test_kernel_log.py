@@ -109,3 +109,32 @@ def test_explain_takes_a_kernel_log(tmp_path):
     assert (d["category"], d["subkind"], d["vendor"]) == ("device_fault", "fallen_off_bus", "cuda"), d["summary"]
     rc, out, _ = _run([str(case.with_suffix(".log")), "--exit-code", "1", "--json"])
     assert json.loads(out)["category"] != "device_fault"  # without the kernel's word the empty log says nothing
+
+
+@pytest.mark.skipif(not _kmsg_writable(), reason="needs a readable and writable /dev/kmsg (root)")
+def test_an_attempt_that_names_no_process_claims_no_oom_kill():
+    """Nothing to match a kill against (no pid, no cgroup): another job's kill is not this one's."""
+    since = time.time()
+    with open("/dev/kmsg", "w") as fh:
+        fh.write("Out of memory: Killed process 4194297 (python) total-vm:1kB, anon-rss:1kB\n")
+    got = kernel_log.read_window(since - 1, time.time() + 1)
+    assert got.read
+    assert not any("4194297" in x for x in got.lines), got.lines
+
+
+@pytest.mark.skipif(not _kmsg_writable(), reason="needs a readable and writable /dev/kmsg (root)")
+def test_a_rank_killed_without_a_cgroup_is_this_attempts_kill():
+    """Without a cgroup the kernel names the rank it killed, not the attempt's main process: every
+    process the daemon saw in the attempt's tree is the attempt's (the torchrun agent lives on)."""
+    from supervisor.daemon.verdict import attempt_pids
+    from supervisor.run.ownership import Owner
+    from supervisor.run.proctree import Handle
+
+    since = time.time()
+    with open("/dev/kmsg", "w") as fh:
+        fh.write("Out of memory: Killed process 4194293 (python) total-vm:1kB, anon-rss:1kB\n")
+    handle = Handle(pid=1, create_time=0.0, owner=Owner(tag="t", known={4194291: 1.0, 4194293: 2.0}))
+    pids = attempt_pids({"pid": 4194291}, handle)
+    assert pids == {4194291, 4194293}
+    got = kernel_log.read_window(since - 1, time.time() + 1, pids=pids)
+    assert any("4194293" in x for x in got.lines), got.lines
