@@ -163,7 +163,11 @@ class AttemptRow:
 
     @property
     def steps_lost(self) -> int | None:
-        if self.max_step is None:
+        """Steps reached that no checkpoint kept, for an attempt that ended without finishing (a
+        finished run saved its final model; a running one has lost nothing yet)."""
+        if self.max_step is None or self.ended_at is None:
+            return None
+        if ((self.json("diagnosis") or {}).get("category")) == "success":
             return None
         kept = self.checkpoint_step_after if self.checkpoint_step_after is not None else (
             self.resumed_from_step or 0)
