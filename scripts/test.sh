@@ -104,7 +104,8 @@ fi
 # Two workers (pytest-xdist): most tests wait on real processes, so two keep both cores busy; the
 # tests that share the box's users or the Slurm clusters stay on one worker (tests/conftest.py).
 # OOM_SUPERVISOR_TEST_WORKERS=0 runs them in this process, one after another; `-n N` overrides.
-.venv/bin/python -m pytest -q -ra -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" --dist load "$@" || rc=$?
+# --durations=20: every run says where its time went (the 20 slowest tests).
+.venv/bin/python -m pytest -q -ra --durations=20 -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" --dist load "$@" || rc=$?
 if [ -n "$py310" ]; then
   r=0; wait "$py310" || r=$?
   say "the daemon and CLI on Python 3.10 (scripts/py310.sh), run beside the main run:"
