@@ -171,7 +171,8 @@ def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float,
     assert first["emergency_checkpoint"].startswith("emergency checkpoint at step 8"), first
     log1 = (d.state / "jobs/1/attempt-1").glob("*.log")
     em = parse_emergency(next(iter(sorted(log1))).read_text(errors="replace").splitlines())
-    assert (em.outcome, em.step, em.rank, em.world_size) == ("saved", 8, 1, 2), em
+    # the rank that ran out: the replica's own marker (DDP), the failing rank's (ZeRO-2: every rank wrote)
+    assert (em.outcome, em.step, em.oom_rank if sharded else em.rank, em.world_size) == ("saved", 8, 1, 2), em
     scan = scan_output_dir(out, expected_world_size=2)
     assert [c.step for c in scan.complete] == [5, 8, 9]  # 9: the end
     regular = {p.name.replace("global_step5", "global_step8") for p in (out / "checkpoint-5").iterdir()}
