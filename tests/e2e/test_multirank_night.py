@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from filelock import FileLock, Timeout
 
 from supervisor.demo.assets import DEMO_ENV, build_demo_assets, demo_job_config
 from supervisor.demo.run import default_launcher
@@ -127,11 +128,23 @@ def test_lora_zero2_night_rank_1_oom_loses_no_step_and_matches_an_uninterrupted_
 
 
 def run_night(tmp_path: Path, deepspeed: Path | None = None) -> tuple[DaemonProc, dict, dict[int, float], float]:
+    """The night through the daemon; the uninterrupted run's losses, made once per box beside the first
+    night that finds none (the other night, on the other xdist worker, reads them when it is done)."""
     needs_llamafactory()
     CACHE.mkdir(parents=True, exist_ok=True)
+    ML_CACHE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     ref_path, ref = cached_reference()
-    ref_proc, ref_out = start_reference(tmp_path / "reference") if ref is None else (None, None)
+    lock = FileLock(str(ref_path) + ".lock")
+    ref_proc = ref_out = None
+    if ref is None:
+        try:
+            lock.acquire(timeout=0)
+            ref_path, ref = cached_reference()  # made while we looked
+            if ref is None:
+                ref_proc, ref_out = start_reference(tmp_path / "reference")
+        except Timeout:
+            pass  # the other night makes it
     try:
         job = night_job(tmp_path / "night", deepspeed)
         d = DaemonProc(tmp_path / "state", tmp_path / "spool",
@@ -146,14 +159,22 @@ def run_night(tmp_path: Path, deepspeed: Path | None = None) -> tuple[DaemonProc
             assert ref_proc.wait(timeout=600) == 0, (tmp_path / "reference" / "ref.log").read_text()[-3000:]
             ref = {s: r["loss"] for s, r in steps_logged(ref_out).items()}
             if sorted(ref) == list(range(1, 10)):
-                ML_CACHE.mkdir(parents=True, exist_ok=True)
                 tmp = ref_path.with_suffix(f".{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(ref))
                 os.replace(tmp, ref_path)
+        elif ref is None:
+            with lock:  # the other night's reference is done (or it failed: then made here, after the night)
+                ref_path, ref = cached_reference()
+                if ref is None:
+                    proc, out = start_reference(tmp_path / "reference")
+                    assert proc.wait(timeout=600) == 0, (tmp_path / "reference" / "ref.log").read_text()[-3000:]
+                    ref = {s: r["loss"] for s, r in steps_logged(out).items()}
     finally:
         if ref_proc is not None and ref_proc.poll() is None:
             os.killpg(ref_proc.pid, signal.SIGKILL)
             ref_proc.wait()
+        if lock.is_locked:
+            lock.release()
     return d, job, ref, time.monotonic() - t0
 
 
