@@ -45,6 +45,7 @@ RANK_ENV = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": str(RANKS)}
 # LLaMA-Factory's own preset (examples/deepspeed/ds_z2_config.json, v0.9.5): batch sizes "auto".
 DS_Z2 = Path(__file__).resolve().parents[1] / "fixtures" / "llamafactory-v0.9.5" / "examples" / "deepspeed" / \
     "ds_z2_config.json"
+DS_Z3 = DS_Z2.with_name("ds_z3_config.json")  # stage3_gather_16bit_weights_on_model_save: the save gathers
 
 
 def lf_config(out: Path, deepspeed: Path | None = None) -> dict:
@@ -97,7 +98,7 @@ def night_job(root: Path, deepspeed: Path | None = None) -> dict:
     (root / "work").mkdir(parents=True)
     job = lf_config(root / "work" / "output", deepspeed)
     job["supervisor"] = {
-        "name": "lora-zero2-2-ranks" if deepspeed else "lora-ddp-2-ranks",
+        "name": f"lora-{deepspeed.stem.split('_')[1]}-2-ranks" if deepspeed else "lora-ddp-2-ranks",
         "workdir": str(root / "work"),
         "env": {**DEMO_ENV, **QUIET_OMP, **RANK_ENV, "PYTHONPATH": str(HOOK),
                 # LLaMA-Factory's launcher runs `torchrun` from PATH: the venv's bin, as an activated venv has it
@@ -115,16 +116,17 @@ def test_lora_ddp_night_rank_1_oom_loses_no_step_and_matches_an_uninterrupted_ru
     check_night(d, job, ref, took=took)
 
 
-def test_lora_zero2_night_rank_1_oom_loses_no_step_and_matches_an_uninterrupted_run(tmp_path):
-    """The reference is the same job's uninterrupted 2-rank DDP run: ZeRO-2 partitions the optimizer
-    state and the gradients, not the arithmetic of a step (measured on the plain Trainer: DDP and
-    ZeRO-2 losses within 4.2e-7 relative, tests/hooks/reference.py)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_zero_night_rank_1_oom_loses_no_step_and_matches_an_uninterrupted_run(tmp_path, stage):
+    """The reference is the same job's uninterrupted 2-rank DDP run: ZeRO partitions the optimizer
+    state, the gradients (and under ZeRO-3 the weights), not the arithmetic of a step (measured on the
+    plain Trainer: DDP, ZeRO-2 and ZeRO-3 losses within 4.2e-7 relative, tests/hooks/reference.py)."""
     try:
         import deepspeed  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure of DeepSpeed means this path cannot run here
         pytest.skip(f"deepspeed not importable: {e}")
-    d, job, ref, took = run_night(tmp_path, DS_Z2)
-    check_night(d, job, ref, took=took, sharded=True)
+    d, job, ref, took = run_night(tmp_path, DS_Z2 if stage == 2 else DS_Z3)
+    check_night(d, job, ref, took=took, stage=stage)
 
 
 def run_night(tmp_path: Path, deepspeed: Path | None = None) -> tuple[DaemonProc, dict, dict[int, float], float]:
@@ -178,7 +180,8 @@ def run_night(tmp_path: Path, deepspeed: Path | None = None) -> tuple[DaemonProc
     return d, job, ref, time.monotonic() - t0
 
 
-def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float, sharded: bool = False) -> None:
+def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float, stage: int = 0) -> None:
+    sharded = stage > 0
     shown = d.show(1)
     assert shown["state"] == "succeeded", json.dumps(shown, indent=1, default=str)[-6000:]
     attempts = shown["attempt_list"]
@@ -201,7 +204,7 @@ def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float,
     assert {p.name for p in (out / "checkpoint-8").iterdir()} == regular | {NOTE}  # loads as a regular save
     note = json.loads((out / "checkpoint-8" / NOTE).read_text())
     if sharded:
-        assert [c.zero_stage for c in scan.complete[:2]] == [2, 2]
+        assert [c.zero_stage for c in scan.complete[:2]] == [stage, stage]
         shards = {p.name for p in (out / "checkpoint-8" / "global_step8").iterdir()}
         assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= shards
         assert (note["step"], note["failing_rank"], note["shards_from_ranks"]) == (8, 1, [0, 1]), note
@@ -231,5 +234,6 @@ def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float,
     assert sorted(got) == sorted(ref) == list(range(1, 10))
     rel = {s: abs(got[s] - ref[s]) / abs(ref[s]) for s in ref}
     assert all(math.isclose(got[s], ref[s], rel_tol=1e-5) for s in ref), (got, ref, rel)
-    print(f"2-rank LoRA {'ZeRO-2' if sharded else 'DDP'} night: {len(attempts)} attempts, steps lost {[a['steps_lost'] for a in attempts]}, "
+    lost = [a["steps_lost"] for a in attempts]
+    print(f"2-rank LoRA {f'ZeRO-{stage}' if sharded else 'DDP'} night: {len(attempts)} attempts, steps lost {lost}, "
           f"save {note['save_s']} s, max relative loss diff {max(rel.values()):.2e}, {took:.0f} s")
