@@ -48,44 +48,47 @@ DS_Z2 = Path(__file__).resolve().parents[1] / "fixtures" / "llamafactory-v0.9.5"
 DS_Z3 = DS_Z2.with_name("ds_z3_config.json")  # stage3_gather_16bit_weights_on_model_save: the save gathers
 
 
-def lf_config(out: Path, deepspeed: Path | None = None) -> dict:
+def lf_config(out: Path, deepspeed: Path | None = None, *, full: bool = False) -> dict:
     cfg = demo_job_config(build_demo_assets(CACHE), out, micro_batch=MICRO, grad_accum=ACCUM,
                           save_steps=SAVE_STEPS)
     # No dropout: the remedied step runs 2 x 4 instead of 4 x 2, and only a deterministic forward makes
     # its loss comparable with the uninterrupted run's (the exact per-rank RNG of a resume is proven
     # in tests/hooks/test_emergency_ddp.py, where the micro-batch stays).
-    cfg.update(finetuning_type="lora", lora_target="all", lora_rank=8, lora_dropout=0.0)
+    if full:  # every weight trained: the checkpoint holds the model and the whole optimizer state
+        cfg.update(finetuning_type="full")
+    else:
+        cfg.update(finetuning_type="lora", lora_target="all", lora_rank=8, lora_dropout=0.0)
     if deepspeed is not None:
         cfg["deepspeed"] = str(deepspeed)
     return cfg
 
 
-def reference_key() -> str:
+def reference_key(full: bool) -> str:
     """What an uninterrupted run's losses depend on: the training config (paths under the shared
     asset cache, whose folder names hash the assets' parameters) and the libraries that train."""
     from importlib.metadata import version
 
-    cfg = yaml.safe_dump(lf_config(Path("/out"))).replace(str(CACHE), "")
+    cfg = yaml.safe_dump(lf_config(Path("/out"), full=full)).replace(str(CACHE), "")
     libs = [f"{m}=={version(m)}" for m in ("torch", "transformers", "llamafactory", "peft", "accelerate")]
     return hashlib.sha256("\n".join([cfg, *libs]).encode()).hexdigest()[:16]
 
 
-def cached_reference() -> tuple[Path, dict[int, float] | None]:
+def cached_reference(full: bool) -> tuple[Path, dict[int, float] | None]:
     """The uninterrupted run's per-step losses, kept once measured (no product code takes part in
     that run, so only the key's inputs can change them): the run costs as much as the night."""
-    path = ML_CACHE / f"lora-ddp-2-ranks-reference-{reference_key()}.json"
+    path = ML_CACHE / f"{'full' if full else 'lora'}-ddp-2-ranks-reference-{reference_key(full)}.json"
     try:
         return path, {int(k): v for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError):
         return path, None
 
 
-def start_reference(root: Path) -> tuple[subprocess.Popen, Path]:
+def start_reference(root: Path, full: bool) -> tuple[subprocess.Popen, Path]:
     """The same job on 2 ranks, uninterrupted (no injection), started beside the night."""
     out = root / "ref"
     root.mkdir(parents=True, exist_ok=True)
     job = root / "ref.yaml"
-    job.write_text(yaml.safe_dump(lf_config(out)))
+    job.write_text(yaml.safe_dump(lf_config(out, full=full)))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OOM_SUPERVISOR_", "OOMTEST_"))}
     env.update(TRAIN_ENV, **RANK_ENV)
     with open(root / "ref.log", "wb") as log:
@@ -94,11 +97,11 @@ def start_reference(root: Path) -> tuple[subprocess.Popen, Path]:
     return proc, out
 
 
-def night_job(root: Path, deepspeed: Path | None = None) -> dict:
+def night_job(root: Path, deepspeed: Path | None = None, *, full: bool = False) -> dict:
     (root / "work").mkdir(parents=True)
-    job = lf_config(root / "work" / "output", deepspeed)
+    job = lf_config(root / "work" / "output", deepspeed, full=full)
     job["supervisor"] = {
-        "name": f"lora-{deepspeed.stem.split('_')[1]}-2-ranks" if deepspeed else "lora-ddp-2-ranks",
+        "name": f"{'full' if full else 'lora'}-{deepspeed.stem.split('_')[1] if deepspeed else 'ddp'}-2-ranks",
         "workdir": str(root / "work"),
         "env": {**DEMO_ENV, **QUIET_OMP, **RANK_ENV, "PYTHONPATH": str(HOOK),
                 # LLaMA-Factory's launcher runs `torchrun` from PATH: the venv's bin, as an activated venv has it
@@ -111,9 +114,13 @@ def night_job(root: Path, deepspeed: Path | None = None) -> dict:
     return job
 
 
-def test_lora_ddp_night_rank_1_oom_loses_no_step_and_matches_an_uninterrupted_run(tmp_path):
-    d, job, ref, took = run_night(tmp_path)
-    check_night(d, job, ref, took=took)
+@pytest.mark.parametrize("tuning", ["lora", "full"])
+def test_ddp_night_rank_1_oom_loses_no_step_and_matches_an_uninterrupted_run(tmp_path, tuning):
+    """LoRA (a small adapter and its optimizer state) and a full fine-tune (the whole model and its
+    whole optimizer state in the replica's checkpoint)."""
+    full = tuning == "full"
+    d, job, ref, took = run_night(tmp_path, full=full)
+    check_night(d, job, ref, took=took, full=full)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -129,26 +136,27 @@ def test_lora_zero_night_rank_1_oom_loses_no_step_and_matches_an_uninterrupted_r
     check_night(d, job, ref, took=took, stage=stage)
 
 
-def run_night(tmp_path: Path, deepspeed: Path | None = None) -> tuple[DaemonProc, dict, dict[int, float], float]:
+def run_night(tmp_path: Path, deepspeed: Path | None = None, *,
+              full: bool = False) -> tuple[DaemonProc, dict, dict[int, float], float]:
     """The night through the daemon; the uninterrupted run's losses, made once per box beside the first
     night that finds none (the other night, on the other xdist worker, reads them when it is done)."""
     needs_llamafactory()
     CACHE.mkdir(parents=True, exist_ok=True)
     ML_CACHE.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    ref_path, ref = cached_reference()
+    ref_path, ref = cached_reference(full)
     lock = FileLock(str(ref_path) + ".lock")
     ref_proc = ref_out = None
     if ref is None:
         try:
             lock.acquire(timeout=0)
-            ref_path, ref = cached_reference()  # made while we looked
+            ref_path, ref = cached_reference(full)  # made while we looked
             if ref is None:
-                ref_proc, ref_out = start_reference(tmp_path / "reference")
+                ref_proc, ref_out = start_reference(tmp_path / "reference", full)
         except Timeout:
             pass  # the other night makes it
     try:
-        job = night_job(tmp_path / "night", deepspeed)
+        job = night_job(tmp_path / "night", deepspeed, full=full)
         d = DaemonProc(tmp_path / "state", tmp_path / "spool",
                        write_config(tmp_path / "daemon.yaml", stop_grace=10, poll_interval=0.2),
                        tmp_path / "daemon.log").start()
@@ -166,9 +174,9 @@ def run_night(tmp_path: Path, deepspeed: Path | None = None) -> tuple[DaemonProc
                 os.replace(tmp, ref_path)
         elif ref is None:
             with lock:  # the other night's reference is done (or it failed: then made here, after the night)
-                ref_path, ref = cached_reference()
+                ref_path, ref = cached_reference(full)
                 if ref is None:
-                    proc, out = start_reference(tmp_path / "reference")
+                    proc, out = start_reference(tmp_path / "reference", full)
                     assert proc.wait(timeout=600) == 0, (tmp_path / "reference" / "ref.log").read_text()[-3000:]
                     ref = {s: r["loss"] for s, r in steps_logged(out).items()}
     finally:
@@ -180,7 +188,8 @@ def run_night(tmp_path: Path, deepspeed: Path | None = None) -> tuple[DaemonProc
     return d, job, ref, time.monotonic() - t0
 
 
-def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float, stage: int = 0) -> None:
+def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float, stage: int = 0,
+                full: bool = False) -> None:
     sharded = stage > 0
     shown = d.show(1)
     assert shown["state"] == "succeeded", json.dumps(shown, indent=1, default=str)[-6000:]
@@ -200,7 +209,8 @@ def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float,
     scan = scan_output_dir(out, expected_world_size=2)
     assert [c.step for c in scan.complete] == [5, 8, 9]  # 9: the end
     regular = {p.name.replace("global_step5", "global_step8") for p in (out / "checkpoint-5").iterdir()}
-    assert {"adapter_model.safetensors", "rng_state_0.pth", "rng_state_1.pth"} <= regular
+    weights = "model.safetensors" if full else "adapter_model.safetensors"
+    assert {weights, "rng_state_0.pth", "rng_state_1.pth"} <= regular
     assert {p.name for p in (out / "checkpoint-8").iterdir()} == regular | {NOTE}  # loads as a regular save
     note = json.loads((out / "checkpoint-8" / NOTE).read_text())
     if sharded:
@@ -235,5 +245,5 @@ def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float,
     rel = {s: abs(got[s] - ref[s]) / abs(ref[s]) for s in ref}
     assert all(math.isclose(got[s], ref[s], rel_tol=1e-5) for s in ref), (got, ref, rel)
     lost = [a["steps_lost"] for a in attempts]
-    print(f"2-rank LoRA {f'ZeRO-{stage}' if sharded else 'DDP'} night: {len(attempts)} attempts, steps lost {lost}, "
+    print(f"2-rank {'full' if full else 'LoRA'} {f'ZeRO-{stage}' if sharded else 'DDP'} night: {len(attempts)} attempts, steps lost {lost}, "
           f"save {note['save_s']} s, max relative loss diff {max(rel.values()):.2e}, {took:.0f} s")
