@@ -53,16 +53,19 @@ def test_a_chaos_nights_goodput_buckets_add_up_to_its_wall_time(tmp_path):
 
     d.start()
     try:
+        # Held at step 20 until it is killed (the gate never opens): a loaded box's slow polling must not
+        # find it finished (seen in CI: the 2 s run ended before the test saw it running).
         drop(d.spool, "1-killed.yaml", job("killed", fakejob("--steps", "40", "--sleep", "0.05",
-                                                             f"--progress={progress}")))
+                                                             f"--progress={progress}", "--gate",
+                                                             str(tmp_path / "never"), "--gate-step", "20")))
         d.wait_state(1, "running", timeout=60)
         drop(d.spool, "2-oom.yaml", job("oom", fakejob("--steps", "5", "--sleep", "0.05", "--exit", "1",
                                                        "--fail-first", "1", f"--state={tmp_path / 'oom.n'}",
                                                        "--print", OOM_TEXT)))
         drop(d.spool, "3-hang.yaml", job("hang", [sys.executable, "-c", HANG_ONCE, str(tmp_path / "hang.n")],
                                          hang_timeout="2s"))
-        # kill -9 the training itself (not the shim) once it is well under way
-        d.wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 15, what="progress")
+        # kill -9 the training itself (not the shim) at its gate: attempt 2 resumes after it
+        d.wait_for(lambda: progress.exists() and len(progress.read_text().split()) >= 20, what="progress")
         victim = next(p for p in psutil.process_iter(["cmdline"])
                       if f"--progress={progress}" in (p.info["cmdline"] or []) and "supervisor.run.shim"
                       not in " ".join(p.info["cmdline"] or []))
