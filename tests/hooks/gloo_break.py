@@ -61,6 +61,8 @@ dist.all_gather(y, torch.tensor([float(rank)]), group=clone)
 dist.barrier(group=clone)
 result.update(default_sum=x.item(), clone_gather=[t.item() for t in y], clone_rank=dist.get_rank(group=clone),
               regroup_s=round(time.monotonic() - t0, 3))
-print("RESULT " + json.dumps(result), flush=True)
+# One write: both ranks share torchrun's stdout, unbuffered, and print() writes the text and its
+# newline apart (seen in CI: rank 0's line glued onto rank 1's before its newline).
+os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
 dist.barrier()
 os._exit(0)

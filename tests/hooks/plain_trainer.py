@@ -142,7 +142,8 @@ class PrintLoss(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs and RANK == 0:
-            print(f"LOSS {state.global_step} {logs['loss']!r}", flush=True)
+            sys.stdout.flush()  # one write for the line: other ranks share the (unbuffered) stream
+            os.write(1, f"LOSS {state.global_step} {logs['loss']!r}\n".encode())
 
 
 torch.manual_seed(0)

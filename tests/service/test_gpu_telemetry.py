@@ -14,13 +14,13 @@ from supervisor.run.gpus import VramSampler, compute_apps_vram, read_vram, wait_
 MiB, GiB = 1 << 20, 1 << 30
 
 # nvidia-smi 550: used MiB per GPU comes from a file the test rewrites; one line per call is
-# appended to calls.log so a test can make memory go away after N calls.
+# appended to calls.log so a test can make memory go away after N memory readings.
 NVIDIA_SMI = r"""#!/bin/sh
 d="$(dirname "$0")"
 echo "$*" >> "$d/calls.log"
 case "$*" in
   *--query-gpu=index,memory.used,memory.total*)
-    n=$(wc -l < "$d/calls.log")
+    n=$(grep -c "memory.used" "$d/calls.log")  # memory readings only: other queries may be cached
     if [ -f "$d/release_after" ] && [ "$n" -gt "$(cat "$d/release_after")" ]; then
       echo "0, 3, 81559"; echo "1, 1, 81559"
     else
