@@ -418,17 +418,21 @@ def _synced_batch_fields(ds: Mapping[str, Any] | None, launched: Overrides, spec
 def compose_environment(base: Mapping[str, str], job_env: Mapping[str, str], attempt_env: Mapping[str, str],
                         visibility: Mapping[str, str]) -> dict[str, str]:
     """The job's environment: the base, the job's own `env:`, the GPUs assigned, then what this
-    attempt sets (the start-up hook's PYTHONPATH goes first; what the job would have had follows)."""
+    attempt sets (the start-up hook's PYTHONPATH and the launcher's bin directory on PATH go first;
+    what the job would have had follows)."""
     env = {**base, **job_env}
     if visibility:
         env.update(visibility)
         for name in VISIBILITY_VARS:
             if name not in visibility:
                 env.pop(name, None)  # one filter only: ROCR then HIP would index twice
-    inherited_path = env.get("PYTHONPATH")
+    inherited = {k: env.get(k) for k in ("PYTHONPATH", "PATH")}
     env.update(attempt_env)
-    if "PYTHONPATH" in attempt_env and inherited_path and "PYTHONPATH" not in job_env:
-        env["PYTHONPATH"] = f"{attempt_env['PYTHONPATH']}{os.pathsep}{inherited_path}"
+    for name, before in inherited.items():  # what the attempt puts first, then what the job had
+        if name == "PATH" and name in attempt_env and name not in job_env:
+            before = before or os.defpath  # a PATH of the launcher's directory alone finds no shell
+        if name in attempt_env and before and name not in job_env and before != attempt_env[name]:
+            env[name] = f"{attempt_env[name]}{os.pathsep}{before}"
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

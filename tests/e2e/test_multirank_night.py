@@ -103,9 +103,9 @@ def night_job(root: Path, deepspeed: Path | None = None, *, full: bool = False) 
     job["supervisor"] = {
         "name": f"{'full' if full else 'lora'}-{deepspeed.stem.split('_')[1] if deepspeed else 'ddp'}-2-ranks",
         "workdir": str(root / "work"),
+        # No PATH: LLaMA-Factory's launcher runs `torchrun` from PATH, and the daemon puts the launcher's
+        # own bin directory first (the test's PATH, like systemd's, has no venv on it)
         "env": {**DEMO_ENV, **QUIET_OMP, **RANK_ENV, "PYTHONPATH": str(HOOK),
-                # LLaMA-Factory's launcher runs `torchrun` from PATH: the venv's bin, as an activated venv has it
-                "PATH": TRAIN_ENV["PATH"],
                 "OOMTEST_RANKS": "1", "OOMTEST_MAX_TOKENS": str(MAX_TOKENS)},
         "launcher": default_launcher(),
         "max_attempts": 3,

@@ -18,9 +18,10 @@ from supervisor.judge.policy.render import EMERGENCY_CKPT_ENV, HOOK_DIR
 from .builders import attempt, job, oom
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
-HOOK_ENV = {EMERGENCY_CKPT_ENV: "1", "PYTHONPATH": str(HOOK_DIR)}  # every attempt (tests/hooks/)
 ATTEMPT = Path("/var/lib/oom-supervisor/jobs/3/attempt_2")
 LAUNCHER = ["/opt/venv/bin/llamafactory-cli"]
+# Every attempt: the start-up hook (tests/hooks/), and the launcher's own bin first on PATH (its torchrun)
+HOOK_ENV = {EMERGENCY_CKPT_ENV: "1", "PYTHONPATH": str(HOOK_DIR), "PATH": "/opt/venv/bin"}
 
 JOB = """\
 model_name_or_path: /models/Meta-Llama-3-8B-Instruct
@@ -145,3 +146,23 @@ def test_generated_deepspeed_config_is_accepted_by_deepspeed(offload_param, monk
     assert (ds.zero_config.offload_param is not None) == offload_param
     assert ds.zero_config.overlap_comm is True and ds.bfloat16_config.enabled
     assert validate_deepspeed_config(cfg, schema="installed") == []
+
+
+def test_the_launchers_own_bin_goes_first_on_path_unless_the_job_sets_path(spec):
+    """LLaMA-Factory's launcher runs torchrun from PATH (several GPUs, FORCE_TORCHRUN): under
+    systemd PATH is /usr/bin:/bin, and a launcher named by its path has its torchrun beside it."""
+    from supervisor.judge.plan import compose_environment
+
+    r = render_attempt(spec, Overrides(), attempt_dir=ATTEMPT, resume_yaml={}, launcher=LAUNCHER)
+    (change,) = [c for c in r.changes if c.key == "PATH"]
+    assert change.new == "/opt/venv/bin:$PATH" and "torchrun" in change.why
+    env = compose_environment({"PATH": "/usr/bin:/bin"}, spec.sup.env, r.env, {})
+    assert env["PATH"] == "/opt/venv/bin:/usr/bin:/bin"
+    assert compose_environment({}, spec.sup.env, r.env, {})["PATH"] == f"/opt/venv/bin:{os.defpath}"
+    bare = render_attempt(spec, Overrides(), attempt_dir=ATTEMPT, resume_yaml={}, launcher=["llamafactory-cli"])
+    assert "PATH" not in bare.env  # found on PATH, and so is its torchrun
+    own = parse_job_text(JOB.replace("  env:\n", "  env:\n    PATH: /my/bin:/usr/bin\n"), source="j.yaml",
+                         submit_dir=Path("/w"))
+    mine = render_attempt(own, Overrides(), attempt_dir=ATTEMPT, resume_yaml={}, launcher=LAUNCHER)
+    assert "PATH" not in mine.env
+    assert compose_environment({"PATH": "/usr/bin"}, own.sup.env, mine.env, {})["PATH"] == "/my/bin:/usr/bin"

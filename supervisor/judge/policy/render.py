@@ -45,6 +45,8 @@ _WHY = {
     EMERGENCY_BUDGET_ENV: "start-up hook: the policy's emergency_budget_s, the most a multi-rank (DDP replica) "
                           "emergency save may take before the rank gives up and exits",
     "PYTHONPATH": "puts the supervisor's start-up hook (a sitecustomize) first",
+    "PATH": "LLaMA-Factory's launcher runs torchrun (several GPUs, FORCE_TORCHRUN) from PATH: the launcher's own "
+            "bin directory first, as an activated venv has it (the rest of PATH follows)",
     DS_UNIVERSAL_FIX_ENV: "start-up hook: after DeepSpeed's ZeRO-3 universal load, each state gets its own Adam "
                           "step counter and each param group its own weight decay (DeepSpeed 0.19 shares one "
                           "step tensor and copies group 0's settings); the resume is then exact",
@@ -122,6 +124,10 @@ def render_attempt(spec: JobSpec, overrides: Overrides, *, attempt_dir: Path,
     if spec.kind == "command":
         return RenderedAttempt(argv=list(spec.sup.command or []), env=env, changes=changes)
 
+    launcher_bin = _launcher_bin(launcher)
+    if launcher_bin and "PATH" not in spec.sup.env and "PATH" not in env:
+        env["PATH"] = launcher_bin  # first; compose_environment puts the inherited PATH after it
+        changes.append(Change("env", "PATH", None, f"{launcher_bin}:$PATH", _WHY["PATH"]))
     original = dict(spec.config)
     effective = _coerce_floats(original)
     effective.update(overrides.yaml)
@@ -143,3 +149,11 @@ def render_attempt(spec: JobSpec, overrides: Overrides, *, attempt_dir: Path,
                               _why(overrides, "DeepSpeed")))
     argv = [*launcher, "train", str(attempt_dir / EFFECTIVE_YAML)]
     return RenderedAttempt(argv=argv, env=env, files=files, changes=changes)
+
+
+def _launcher_bin(launcher: Sequence[str]) -> str | None:
+    """The directory of a launcher named by its path (`/opt/lf/bin/llamafactory-cli`): its torchrun
+    is beside it, not necessarily on the daemon's PATH (systemd's is /usr/bin:/bin). A bare name
+    was found on PATH, and so is its torchrun."""
+    first = launcher[0] if launcher else ""
+    return str(Path(first).parent) if first.startswith("/") else None
