@@ -155,5 +155,5 @@ def _launcher_bin(launcher: Sequence[str]) -> str | None:
     """The directory of a launcher named by its path (`/opt/lf/bin/llamafactory-cli`): its torchrun
     is beside it, not necessarily on the daemon's PATH (systemd's is /usr/bin:/bin). A bare name
     was found on PATH, and so is its torchrun."""
-    first = launcher[0] if launcher else ""
-    return str(Path(first).parent) if first.startswith("/") else None
+    first = Path(launcher[0]) if launcher else None
+    return str(first.parent) if first is not None and first.is_absolute() else None
