@@ -37,10 +37,12 @@ if rank == 0:
         # before telling it (seen in CI: rank 1's break ended the op before rank 0's own was timed).
         result["broke_at"] = time.monotonic()
         store.set("test/aborted", "1")
-        result["broke"] = sharded.break_groups(store, peer)
+        time.sleep(float(os.environ.get("BREAK_LAG_S", "0")))  # rank 1's break may end the op first
+        result["broke"] = sharded.break_groups(store, peer, mine=ports)
 
     done = threading.Event()
-    threading.Thread(target=breaker, daemon=True).start()
+    breaking = threading.Thread(target=breaker, daemon=True)
+    breaking.start()
     try:
         dist.all_reduce(torch.ones(8), group=clone)
         result["stuck_op"] = "returned"
@@ -49,9 +51,12 @@ if rank == 0:
         raised = time.monotonic()
         result["raised_after_break_s"] = round(raised - result["broke_at"], 3) if "broke_at" in result else None
     done.set()
+    # Broken first, then fresh backends (as sharded.Watcher lets the main thread go on): a break still
+    # under way would shut the fresh backend's connections (seen in CI: gloo's accept() aborted rank 0).
+    breaking.join()
 else:
     store.wait(["test/aborted"], datetime.timedelta(seconds=60))  # rank 0 tries torch's own abort first
-    sharded.break_groups(store, peer)  # the leader breaks its own connections too
+    result["broke"] = sharded.break_groups(store, peer, mine=ports)  # as the leader tells every rank to
 t0 = time.monotonic()
 result["groups"] = sharded.regroup(store, "test/fresh", 30)
 x = torch.tensor([rank + 1.0])
