@@ -102,6 +102,22 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
+TIMELINE = os.environ.get("OOM_SUPERVISOR_TEST_TIMELINE")
+
+
+def pytest_runtest_logreport(report):
+    """OOM_SUPERVISOR_TEST_TIMELINE=FILE: one JSON line per test phase (worker, start, stop), so a run
+    can say where its wall time went (bench/suite_timeline.py), not only its 20 slowest tests.
+    Written by the process that sees every report: xdist's controller, or the only one."""
+    if not TIMELINE or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    node = getattr(report, "node", None)  # the worker a report came from (xdist)
+    worker = getattr(getattr(node, "gateway", None), "id", "main")
+    with open(TIMELINE, "a") as fh:
+        fh.write(json.dumps({"worker": worker, "id": report.nodeid, "when": report.when, "start": report.start,
+                             "stop": report.stop, "outcome": report.outcome}) + "\n")
+
+
 @pytest.fixture
 def dirs(tmp_path):
     state, spool, work = tmp_path / "state", tmp_path / "spool", tmp_path / "work"

@@ -63,24 +63,49 @@ def lf_config(out: Path, deepspeed: Path | None = None, *, full: bool = False) -
     return cfg
 
 
+# The uninterrupted runs' losses as measured once, kept with the code: a fresh clone on the same stack
+# and the same kind of CPU reads them instead of training a third and fourth 2-rank run beside the
+# nights. To refresh after a pin change: run the nights once (they measure and cache what has no
+# file here), then copy .cache/test-ml/*-ddp-2-ranks-reference-*.json here.
+REFERENCES = Path(__file__).resolve().parents[1] / "fixtures" / "references"
+# Instruction sets that pick torch's CPU kernels (and so the last bits of a loss)
+ISA_FLAGS = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "amx_tile", "amx_bf16", "amx_int8"}
+
+
+def cpu_kind() -> str:
+    """The CPU as far as it decides a loss's bits: vendor, model and the instruction sets torch uses."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+        if key.strip() == "flags":
+            break
+    flags = sorted(ISA_FLAGS & set(info.get("flags", "").split()))
+    return " ".join([info.get("vendor_id", "?"), info.get("model name", "?"), *flags])
+
+
 def reference_key(full: bool) -> str:
     """What an uninterrupted run's losses depend on: the training config (paths under the shared
-    asset cache, whose folder names hash the assets' parameters) and the libraries that train."""
+    asset cache, whose folder names hash the assets' parameters), the libraries that train, the CPU."""
     from importlib.metadata import version
 
     cfg = yaml.safe_dump(lf_config(Path("/out"), full=full)).replace(str(CACHE), "")
     libs = [f"{m}=={version(m)}" for m in ("torch", "transformers", "llamafactory", "peft", "accelerate")]
-    return hashlib.sha256("\n".join([cfg, *libs]).encode()).hexdigest()[:16]
+    return hashlib.sha256("\n".join([cfg, *libs, cpu_kind()]).encode()).hexdigest()[:16]
 
 
 def cached_reference(full: bool) -> tuple[Path, dict[int, float] | None]:
-    """The uninterrupted run's per-step losses, kept once measured (no product code takes part in
-    that run, so only the key's inputs can change them): the run costs as much as the night."""
-    path = ML_CACHE / f"{'full' if full else 'lora'}-ddp-2-ranks-reference-{reference_key(full)}.json"
-    try:
-        return path, {int(k): v for k, v in json.loads(path.read_text()).items()}
-    except (OSError, ValueError):
-        return path, None
+    """The uninterrupted run's per-step losses: kept with the code (REFERENCES) for this stack and
+    CPU, or measured once on this box (no product code takes part in that run, so only the key's
+    inputs can change them): the run costs as much as the night."""
+    name = f"{'full' if full else 'lora'}-ddp-2-ranks-reference-{reference_key(full)}.json"
+    for path in (REFERENCES / name, ML_CACHE / name):
+        try:
+            return path, {int(k): v for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError):
+            continue
+    return ML_CACHE / name, None
 
 
 def start_reference(root: Path, full: bool) -> tuple[subprocess.Popen, Path]:
