@@ -114,7 +114,7 @@ def pytest_runtest_logreport(report):
     node = getattr(report, "node", None)  # the worker a report came from (xdist)
     worker = getattr(getattr(node, "gateway", None), "id", "main")
     with open(TIMELINE, "a") as fh:
-        fh.write(json.dumps({"worker": worker, "id": report.nodeid, "when": report.when, "start": report.start,
+        fh.write(json.dumps({"worker": f"{worker} py{sys.version_info[0]}.{sys.version_info[1]}", "id": report.nodeid, "when": report.when, "start": report.start,
                              "stop": report.stop, "outcome": report.outcome}) + "\n")
 
 
