@@ -40,15 +40,19 @@ stop_clusters() {
 
 bash scripts/setup.sh
 
-# DeepSpeed's CPU Adam (what ZeRO offload steps with) compiles on its first use: ~130 s of one
-# core, which a fresh clone's first offload test would spend inside the suite. Build it now, beside
-# Chromium's install, the clusters' start and lint; a test that needs it first waits on torch's
-# build lock (torch.utils.cpp_extension), so nothing depends on it having finished.
+# DeepSpeed's CPU ops compile on their first use: its shared-memory collectives (every DeepSpeed
+# process on a CPU box loads them: ~50 s of CPU) and CPU Adam (what ZeRO offload steps with: ~130 s
+# of one core), which a fresh clone's first DeepSpeed tests would spend inside the suite. Build them
+# now, beside Chromium's install, the clusters' start and lint, where every test's DeepSpeed finds
+# them (tests/conftest_ml.py's TORCH_EXTENSIONS_DIR, also in the daemon-run jobs' env); a test that
+# needs one first waits on torch's build lock (torch.utils.cpp_extension), so nothing depends on the
+# build having finished.
 if [ $# -eq 0 ]; then
   ext=${OOMSUP_TEST_CACHE:-$(pwd -P)/.cache/test-ml}/torch_extensions  # the path tests/conftest_ml.py uses
   mkdir -p "$ext"
   TORCH_EXTENSIONS_DIR=$ext setsid .venv/bin/python -c \
-    'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()' \
+    'from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()
+from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()' \
     >"$ext/../prebuild.log" 2>&1 &
   prebuild=$!
 fi
@@ -57,7 +61,7 @@ stop_background() {
   # (each runs in its own session), and leave no build lock behind (torch would wait on it forever).
   if [ -n "${prebuild:-}" ] && kill -0 "$prebuild" 2>/dev/null; then
     kill -- -"$prebuild" 2>/dev/null || true
-    rm -f "$ext/cpu_adam/lock"
+    rm -f "$ext/cpu_adam/lock" "$ext/deepspeed_shm_comm/lock"
   fi
   if [ -n "${py310:-}" ] && kill -0 "$py310" 2>/dev/null; then
     kill -- -"$py310" 2>/dev/null || true

@@ -130,7 +130,9 @@ def night_job(root: Path, deepspeed: Path | None = None, *, full: bool = False) 
         "workdir": str(root / "work"),
         # No PATH: LLaMA-Factory's launcher runs `torchrun` from PATH, and the daemon puts the launcher's
         # own bin directory first (the test's PATH, like systemd's, has no venv on it)
+        # TORCH_EXTENSIONS_DIR: DeepSpeed's CPU ops built once for the whole suite (scripts/test.sh prebuilds them)
         "env": {**DEMO_ENV, **QUIET_OMP, **RANK_ENV, "PYTHONPATH": str(HOOK),
+                "TORCH_EXTENSIONS_DIR": TRAIN_ENV["TORCH_EXTENSIONS_DIR"],
                 "OOMTEST_RANKS": "1", "OOMTEST_MAX_TOKENS": str(MAX_TOKENS)},
         "launcher": default_launcher(),
         "max_attempts": 3,
@@ -243,6 +245,8 @@ def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float,
         shards = {p.name for p in (out / "checkpoint-8" / "global_step8").iterdir()}
         assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= shards
         assert (note["step"], note["failing_rank"], note["shards_from_ranks"]) == (8, 1, [0, 1]), note
+        assert sorted(note["ranks"]) == ["0", "1"] and all(v["save_s"] > 0 for v in note["ranks"].values()), note
+        assert "per rank 0: " in first["emergency_checkpoint"], first
     else:
         assert em.rng_ranks == (0, 1), em
         assert (note["step"], note["failing_rank"], note["writer_rank"], note["rng_from_ranks"]) == (8, 1, 1, [0, 1])

@@ -266,6 +266,7 @@ def lead(channel, step, budget):
         time.sleep(0.05)
     why = _refusal(step, reports, pending, wait_s)
     decision = {"go": why is None, "why": why, "nonce": nonce, "step": step, "leader": channel.rank,
+                "leader_node": socket.gethostname(),
                 "ports": sorted({*ports, *(p for rep in reports.values() for p in rep["ports"])}),
                 "phases": {str(r): reports[r] for r in sorted(reports)}}
     channel.store.set(channel.key(nonce, "decision"), json.dumps(decision))
@@ -320,13 +321,16 @@ def save(trainer, tracker, decision, deadline):
         trainer._save_checkpoint(trainer.model_wrapped, trial=None)
     finally:
         del trainer._get_output_dir
+    # Each rank's own part, for the note: how long its save took and on which node it wrote its shard
+    channel.store.set(channel.key(decision["nonce"], "saved", rank),
+                      json.dumps({"save_s": round(time.monotonic() - t0, 3), "node": socket.gethostname()}))
     dist.barrier()
     ok_key = channel.key(decision["nonce"], "renamed")
     if rank == 0:
         try:
             _check(produced, step, world)
             note = {**_note(trainer, decision, world), "regroup_s": round(regroup_s, 3), "groups": groups,
-                    "save_s": round(time.monotonic() - t0, 3)}
+                    "save_s": round(time.monotonic() - t0, 3), "ranks": _per_rank(channel, decision["nonce"], world)}
             with open(os.path.join(produced, emergency.NOTE_FILE), "w") as fh:
                 json.dump(note, fh, indent=1)
             emergency._fsync_tree(produced)
@@ -393,8 +397,19 @@ def _check(produced, step, world):
         raise RuntimeError(f"the save left {produced} without {', '.join(missing)}")
 
 
+def _per_rank(channel, nonce, world):
+    """Every rank's {"save_s", "node"} (each set its own before the barrier rank 0 has passed)."""
+    per = {}
+    for r in range(world):
+        key = channel.key(nonce, "saved", r)
+        if channel.has(key):
+            per[str(r)] = json.loads(channel.get(key))
+    return per
+
+
 def _note(trainer, decision, world):
-    return {"step": decision["step"], "failing_rank": decision["leader"], "world_size": world,
+    return {"step": decision["step"], "failing_rank": decision["leader"], "failing_node": decision.get("leader_node"),
+            "world_size": world,
             "sharded": describe(trainer), "shards_from_ranks": list(range(world)),
             "phases": decision["phases"], "budget_s": replica.budget_s()}
 
