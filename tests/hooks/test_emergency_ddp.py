@@ -11,7 +11,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 
 from supervisor.hooks.markers import parse_emergency
 from supervisor.run.checkpoints import scan_output_dir
-from tests.hooks.test_emergency_plain import SAVED_RE, VENV_BIN, losses, markers, run
+from tests.hooks.test_emergency_plain import SAVED_RE, VENV_BIN, frozen_rank0, losses, markers, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]
 
@@ -99,17 +98,10 @@ def test_oom_inside_the_optimizer_step_on_rank_1_saves_nothing_and_names_the_ran
 
 def test_a_rank_that_never_answers_means_no_save_within_the_budget(tmp_path):
     out = tmp_path / "out"
-    pid_file = Path(f"{out}.rank0.pid")
-    try:
-        # Rank 1 stops rank 0 (SIGSTOP) right before its OOM: rank 0's watcher can never answer.
+    # Rank 1 stops rank 0 (SIGSTOP) right before its OOM: rank 0's watcher can never answer.
+    with frozen_rank0(out, "oom-supervisor: no emergency checkpoint:"):
         rc, log = run(out, "--oom-forward", "16", "--oom-rank", "1", "--freeze-rank0", launcher=torchrun(29575),
                       timeout=400, env_extra={"OOM_SUPERVISOR_EMERGENCY_BUDGET_S": "6"})
-    finally:
-        if pid_file.exists():  # torchrun SIGKILLs it in the end; never leave a stopped process behind
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     assert rc != 0
     said = [m for m in markers(log) if m.startswith("oom-supervisor: no emergency checkpoint:")]
     assert len(said) == 1, markers(log)

@@ -6,11 +6,14 @@ forward pass, from inside optimizer.step(), or on one rank of a real two-rank to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,35 @@ def run(out: Path, *args: str, hook: str | None = "1", launcher: list[str] | Non
                             stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=out.parent,
                             timeout=timeout, check=False).returncode
     return rc, log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def frozen_rank0(out: Path, verdict: str):
+    """Rank 0 that plain_trainer.py's --freeze-rank0 stopped (SIGSTOP): killed once the log says
+    `verdict`, as torchrun kills it in the end (its SIGTERM cannot reach a stopped process, so it
+    waits 30 s before its SIGKILL; the test has what it checks by then), and never left behind."""
+    pid_file = Path(f"{out}.rank0.pid")
+    done = threading.Event()
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError, ValueError, OSError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            if any(verdict in p.read_text(errors="replace") for p in out.parent.glob(f"{out.name}.*.log")):
+                kill()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        if pid_file.exists():
+            kill()
 
 
 def losses(log: str) -> dict[int, float]:

@@ -21,7 +21,7 @@ from supervisor.judge.diagnosis import diagnose_file
 from supervisor.run.checkpoints import scan_output_dir
 from tests.hooks.reference import ddp_losses
 from tests.hooks.test_emergency_ddp import NOTE, close, torchrun
-from tests.hooks.test_emergency_plain import SAVED_RE, losses, markers, run
+from tests.hooks.test_emergency_plain import SAVED_RE, frozen_rank0, losses, markers, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]
 
@@ -110,22 +110,13 @@ def test_zero2_oom_inside_rank_1s_optimizer_step_saves_nothing_and_names_the_ran
 
 
 def test_zero2_a_rank_that_never_reports_its_phase_means_no_save_within_the_budget(tmp_path, ds_env):
-    import os
-    import signal
 
     out = tmp_path / "out"
-    pid_file = Path(f"{out}.rank0.pid")
-    try:
-        # Rank 1 stops rank 0 (SIGSTOP) right before its OOM: rank 0's watcher can never report.
+    # Rank 1 stops rank 0 (SIGSTOP) right before its OOM: rank 0's watcher can never report.
+    with frozen_rank0(out, "oom-supervisor: no emergency checkpoint:"):
         rc, log = run(out, "--deepspeed", str(DS_Z2), "--oom-forward", "16", "--oom-rank", "1", "--freeze-rank0",
                       launcher=torchrun(29612), env_extra={**ds_env, "OOM_SUPERVISOR_EMERGENCY_BUDGET_S": "6"},
                       timeout=400)
-    finally:
-        if pid_file.exists():  # torchrun SIGKILLs it in the end; never leave a stopped process behind
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     assert rc != 0
     said = [m for m in markers(log) if m.startswith("oom-supervisor: no emergency checkpoint:")]
     assert len(said) == 1, markers(log)
