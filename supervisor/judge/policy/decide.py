@@ -40,7 +40,7 @@ _RUNGS: dict[str, Callable[..., Any]] = {
     "allocator": R.allocator, "memory_fraction": R.memory_fraction, "micro_batch": R.micro_batch,
     "eval_batch": R.eval_batch, "grad_checkpointing": R.grad_checkpointing,
     "zero3_offload_optimizer": R.zero3_offload_optimizer, "zero3_offload_param": R.zero3_offload_param,
-    "cutoff_len": R.cutoff_len, "universal_load": R.universal_load,
+    "cutoff_len": R.cutoff_len, "universal_load": R.universal_load, "sharded_save": R.sharded_save,
 }
 # What can help while a checkpoint is being loaded (nothing here changes what the model learns):
 # a smaller micro-batch changes nothing there, so it is never offered for that phase.
@@ -132,6 +132,10 @@ def _order(job: JobContext, diag: Diagnosis, policy: Policy, ov: Overrides) -> l
             order.remove("memory_fraction")
             order.append("memory_fraction")
         order = [r for r in order if r != "eval_batch"]
+    if diag.phase == Phase.CHECKPOINT_SAVE:
+        # The save's own memory first: under ZeRO-3 it gathers the whole model onto rank 0, which no
+        # batch size changes (allowed by `allow_sharded_save`, as a universal load is by its flag).
+        order = ["sharded_save", *order]
     if job.kind != "llamafactory":
         order = [r for r in order if r in ENV_ONLY_RUNGS]
     return order

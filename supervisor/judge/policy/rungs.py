@@ -503,3 +503,35 @@ def universal_load(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Poli
             "the step and param groups the loader reads: no rank holds the old rank 0's whole optimizer state "
             "while it loads; no training change")
     return Applied(with_changes(ov, "universal_load", what, deepspeed=new), what, None)
+
+
+GATHER_KEY = "stage3_gather_16bit_weights_on_model_save"
+
+
+def sharded_save(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, mem: Memory) -> Applied | Skipped:
+    """A save-time remedy for ZeRO-3 full fine-tunes: checkpoints without the 16-bit weights gathered
+    onto rank 0 (GATHER_KEY false). With it on, every save (transformers' save_model through
+    accelerate's get_state_dict) assembles the whole model on rank 0, layer by layer on its GPU and
+    then in its host RAM: an OOM there is the save's, and a smaller micro-batch changes nothing of it.
+    Without it each rank writes only its own shard, which is what a resume loads (global_stepN), and
+    the weights come from the zero_to_fp32.py DeepSpeed writes beside them. A PEFT adapter's save
+    gathers only the adapter whatever the key says (transformers calls
+    _zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)), so it is no remedy there."""
+    if job.kind != "llamafactory":
+        return Skipped("not a LLaMA-Factory job")
+    if not policy.allow_sharded_save:
+        return Skipped("the policy does not allow checkpoints without consolidated weights (allow_sharded_save)")
+    ds = deepspeed_of(job, ov)
+    zero = (ds or {}).get("zero_optimization") or {}
+    if not ds or not isinstance(zero, Mapping) or str(zero.get("stage", 0)) != "3":
+        return Skipped("not DeepSpeed ZeRO-3: its saves gather no 16-bit weights")
+    if str(view_of(job, ov).config.get("finetuning_type", "lora")) == "lora":
+        return Skipped("a LoRA adapter's save gathers only the adapter, whatever the config says")
+    if zero.get(GATHER_KEY) is not True and str(zero.get(GATHER_KEY)).lower() != "true":
+        return Skipped(f"already saving without the 16-bit gather ({GATHER_KEY} is not true)")
+    new = {**ds, "zero_optimization": {**zero, GATHER_KEY: False}}
+    what = (f"save checkpoints without gathering the 16-bit weights onto rank 0 ({GATHER_KEY} false in the "
+            "attempt's ds_config.json): each rank writes its own shard, which is what a resume loads; "
+            "checkpoints and the final model then hold no model.safetensors: the weights come from the "
+            "zero_to_fp32.py DeepSpeed writes beside them; no training change")
+    return Applied(with_changes(ov, "sharded_save", what, deepspeed=new), what, None)

@@ -22,6 +22,7 @@ from supervisor.core.models import Problem
 RungName = Literal[
     "allocator", "micro_batch", "eval_batch", "grad_checkpointing",
     "zero3_offload_optimizer", "zero3_offload_param", "memory_fraction", "cutoff_len", "universal_load",
+    "sharded_save",
 ]
 ALL_RUNGS: tuple[str, ...] = RungName.__args__  # type: ignore[attr-defined]
 DATA_CHANGING_RUNGS = frozenset({"cutoff_len"})
@@ -149,6 +150,9 @@ class Policy(_Strict):
     # When a checkpoint's optimizer state cannot be loaded by the next configuration:
     # convert it with DeepSpeed's universal checkpoint (keeps optimizer and schedule) ...
     allow_universal_checkpoint: bool = True
+    # An OOM while a ZeRO-3 full fine-tune saves (the 16-bit weights gathered onto rank 0): save
+    # shards only from then on (rungs.sharded_save); the weights then come from zero_to_fp32.py.
+    allow_sharded_save: bool = True
     # ... or continue from its weights alone with a fresh optimizer (a semantic change,
     # recorded loudly). Off by default: never silently.
     allow_weights_only: bool = False
