@@ -11,7 +11,8 @@ rank raises; the hook's handling is the same).
 Run under torchrun for the multi-rank case (`--oom-rank R` limits the OOM to rank R) and for
 `--deepspeed CONFIG` (the Trainer then builds torch's AdamW, which DeepSpeed steps inside
 `engine.step()`: --oom-optimizer then fails in the K-th `torch.optim.AdamW.step`, after it).
-`--freeze-rank0` stops rank 0 (SIGSTOP) right before the OOM. `--stamp-oom FILE` appends
+`--freeze-rank0` stops rank 0 (SIGSTOP) right before the OOM; `--slow-save S` makes every save after
+the OOM S seconds slower. `--stamp-oom FILE` appends
 `<rank> <time.time()>` to FILE right before the OOM is raised (bench/bench_multirank_save.py).
 Prints `LOSS <step> <loss>` per logged step and exits 0 when training ends.
 """
@@ -42,6 +43,8 @@ p.add_argument("--freeze-rank0", action="store_true", help="under torchrun: the 
                "rank 0 (SIGSTOP; its pid in <out>.rank0.pid): a rank that can never answer")
 p.add_argument("--rank-seed", action="store_true", help="each rank reseeds torch at train begin (1000 + rank): "
                "the ranks' dropout draws differ, so every rank's own RNG file matters for an exact resume")
+p.add_argument("--slow-save", type=float, default=0, help="once the OOM was raised, every RNG save first sleeps "
+               "this many seconds: an emergency save slower than its budget")
 p.add_argument("--stamp-oom", default=None, help="append '<rank> <wall time>' to this file right before the OOM")
 p.add_argument("--resume", default=None)
 p.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON (run under torchrun)")
@@ -56,7 +59,11 @@ if a.freeze_rank0 and RANK == 0:
         fh.write(str(os.getpid()))
 
 
+OOMED = []
+
+
 def oom():
+    OOMED.append(True)
     if a.freeze_rank0:
         with open(f"{a.out}.rank0.pid") as fh:
             os.kill(int(fh.read()), signal.SIGSTOP)
@@ -114,6 +121,8 @@ def save_rng(self, output_dir):
     saves += 1
     if saves == a.oom_save:
         oom()
+    if OOMED and a.slow_save:
+        time.sleep(a.slow_save)
     return _save_rng(self, output_dir)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.hooks.markers import parse_emergency
+from supervisor.hooks.markers import describe, parse_emergency
 from supervisor.run.checkpoints import scan_output_dir
 from tests.hooks.test_emergency_plain import SAVED_RE, VENV_BIN, frozen_rank0, losses, markers, run
 
@@ -109,6 +109,25 @@ def test_a_rank_that_never_answers_means_no_save_within_the_budget(tmp_path):
     assert "budget 6 s" in said[0], said[0]
     em = parse_emergency(log.splitlines())
     assert em.outcome == "not_attempted"
+    assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
+    assert not (out / "checkpoint-7").exists() and not list(out.glob("tmp-*"))
+
+
+def test_a_save_slower_than_its_budget_leaves_no_checkpoint_and_show_says_so(tmp_path):
+    """The budget bounds the save itself, not only the wait for the other ranks: the writer's
+    watchdog ends the process, the staging never becomes checkpoint-7, the resume point stays 5."""
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    rc, log = run(out, "--oom-forward", "16", "--oom-rank", "1", "--slow-save", "120", launcher=torchrun(29577),
+                  timeout=400, env_extra={"OOM_SUPERVISOR_EMERGENCY_BUDGET_S": "6"})
+    took = time.monotonic() - t0
+    assert rc != 0 and took < 100, (rc, took)  # ended by the budget, not by the 120 s save
+    said = [m for m in markers(log) if "emergency checkpoint at step 7 failed: not done within the budget of 6 s" in m]
+    assert len(said) == 1, markers(log)
+    em = parse_emergency(log.splitlines())
+    assert (em.outcome, em.step) == ("failed", 7), em
+    words, data = describe(em)  # what `show` prints for the attempt, and what the report and metrics read
+    assert "not done within the budget of 6 s" in words and data["outcome"] == "failed", words
     assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
     assert not (out / "checkpoint-7").exists() and not list(out.glob("tmp-*"))
 

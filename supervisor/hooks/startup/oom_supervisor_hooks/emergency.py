@@ -367,8 +367,9 @@ def _replica_save(trainer, tracker, exc, step, who, budget, deadline):
     staging = os.path.join(_run_dir(trainer), f"tmp-checkpoint-{step}")
 
     def expired():
+        discard(staging)
         say(f"emergency checkpoint at step {step} failed: not done within the budget of {budget:.0f} s "
-            f"({replica.BUDGET_ENV}); {staging} is not a checkpoint")
+            f"({replica.BUDGET_ENV}); its unfinished {staging} was removed")
         traceback.print_exception(exc)
         sys.stderr.flush()
         os._exit(1)
@@ -508,6 +509,18 @@ def save(trainer, step, snap, scope=None, note=None):
     except Exception as exc:  # noqa: BLE001 - the checkpoint is written; a user callback's failure must not undo it
         warn(f"on_save callbacks after the emergency checkpoint failed: {exc!r}")
     return final, False
+
+
+def discard(staging):
+    """An unfinished save's staging folder, removed as the process gives up on it: left behind it is
+    never mistaken for a checkpoint, but a large model's half-written shards would hold the disk all
+    night. Renamed first (atomic), so a writer still running writes no new file under the old name."""
+    gone = f"{staging}.discarded-{os.getpid()}"
+    try:
+        os.rename(staging, gone)
+    except OSError:
+        return  # not there (nothing written yet, or another rank's watchdog took it first)
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _quarantine(path):

@@ -21,7 +21,8 @@ not answer in time means NO save: without its RNG file resume is not bit-exact f
 and the supervisor's completeness scan (run/checkpoints.py) calls a checkpoint missing a rank's
 RNG file incomplete (a regular save cut off looks the same), so it would never be resumed from.
 The whole save is bounded by the budget: a watchdog prints the failure and the original
-traceback and ends the process (`os._exit(1)`) if it is over, leaving only tmp-checkpoint-N.
+traceback, removes the unfinished tmp-checkpoint-N (a large model's half-written files would hold
+the disk all night) and ends the process (`os._exit(1)`) if it is over.
 
 During the save the writer is made the writer, temporarily (`writer_scope`, restored after):
 `args.should_save` is True (a class-level property patch: `torch.save(args)` must still pickle),

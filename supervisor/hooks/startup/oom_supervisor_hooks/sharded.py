@@ -494,9 +494,10 @@ def join(trainer, tracker, exc, park=True):
 
 
 def _expired(step, final, budget, exc, leader):
+    emergency.discard(os.path.join(os.path.dirname(final), f"tmp-checkpoint-{step}"))  # whichever rank is first
     if leader:
         emergency.say(f"emergency checkpoint at step {step} failed: not done within the budget of {budget:.0f} s "
-                      f"({replica.BUDGET_ENV}); no {final} was left")
+                      f"({replica.BUDGET_ENV}); no {final} was left, and its unfinished staging was removed")
         traceback.print_exception(exc)
     sys.stderr.flush()
     sys.stdout.flush()
