@@ -48,10 +48,17 @@ def test_controller_killed_right_after_start(slurm, tmp_path):
         assert sl.same_run(rec, now) and log.read_text().count("run-token") == 1
     elif seen == "relaunched":
         assert not sl.same_run(rec, now)
-        again = wait_state(sub.job_id, lambda s: s.state == "RUNNING", timeout=60, what="second run")
+        again = wait_state(sub.job_id, lambda s: s.state == "RUNNING" or s.state in sl.TERMINAL_STATES, timeout=60,
+                           what="second run (or its end)")
         assert not sl.same_run(rec, again) and again.restarts == first.restarts  # the id alone lies
-        text = wait_file(log, lambda t: t.count("run-token") == 2)  # appended, the first run kept
-        assert len({ln for ln in text.splitlines() if ln.startswith("run-token")}) == 2
+        if again.state == "RUNNING":
+            text = wait_file(log, lambda t: t.count("run-token") == 2)  # appended, the first run kept
+            assert len({ln for ln in text.splitlines() if ln.startswith("run-token")}) == 2
+        else:
+            # Seen in CI under load: the requeued run was killed before it started ("Killing
+            # non-startable batch JobId=270: Job credential revoked", slurmctld.log), FAILED exit 1
+            # with no second run; still not the first run.
+            assert again.state == "FAILED" and log.read_text().count("run-token") == 1, (again, log.read_text())
     else:
         # The controller forgot the job; its id is free again and the next job may take it.
         other, _ = go(tmp_path, ["sleep", "1"], "other", request=sl.SlurmJobRequest(mem="100M"))
