@@ -1,7 +1,8 @@
-"""A 2-rank night through the real daemon: real LLaMA-Factory 0.9.5, LoRA under DDP and under
-DeepSpeed ZeRO-2 (LLaMA-Factory's own preset), 2 CPU ranks over gloo, rank 1 (only) out of GPU-style
-memory in the forward of the long step, three steps after its last regular checkpoint. Under DDP the
-failing rank is a replica and writes the checkpoint alone; under ZeRO-2 every rank writes its shard.
+"""A 2-rank night through the real daemon: real LLaMA-Factory 0.9.5, LoRA and full fine-tune under
+DDP, LoRA under DeepSpeed ZeRO-2 and ZeRO-3 (LLaMA-Factory's own presets), 2 CPU ranks over gloo,
+rank 1 (only) out of GPU-style memory in the forward of the long step, three steps after its last
+regular checkpoint. Under DDP the failing rank is a replica and writes the checkpoint alone; under
+ZeRO every rank writes its shard. The same across two Slurm nodes: tests/slurm/test_slurm_multinode_zero2.py.
 
 The OOM comes from a test-only hook in the job's environment (tests/e2e/rank_oom: PyTorch's own
 torch.OutOfMemoryError, worded as the CUDA allocator words it, when rank 1's micro-batch holds more

@@ -4,7 +4,8 @@ ZeRO-2 preset and DeepSpeed, rank 1 (node2) out of GPU-style memory in the forwa
 step, three steps after its last regular checkpoint. Every rank writes its own shard of the last
 finished step on its own node, the daemon names the node and rank that ran out, the remedy keeps the
 effective batch across the world, and the night's per-step losses are the uninterrupted 2-rank
-run's (the same job on one node: the same world of 2 ranks, the same arithmetic).
+run's (the same job on one node: the same world of 2 ranks, the same arithmetic). The daemon is
+killed -9 while the second attempt runs on both nodes and takes the same Slurm job back.
 
 The OOM comes from the test-only hook of tests/e2e/rank_oom (see test_multirank_night.py); the
 product contains no injection.
@@ -16,12 +17,15 @@ import json
 import math
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
 from supervisor.hooks.markers import parse_emergency
+from supervisor.run import slurm as sl
 from supervisor.run.checkpoints import scan_output_dir
 
 from ..conftest import QUIET_OMP, pids_with_marker
@@ -37,7 +41,19 @@ from ..e2e.test_multirank_night import (
     cached_reference,
     lf_config,
 )
-from .test_slurm_multinode import events, two_node_daemon
+from .test_slurm_multinode import events, judged_or_ended, two_node_daemon
+
+
+def launcher(folder: Path) -> list[str]:
+    """The job's own launcher, a shell line that runs llamafactory-cli on each node, with a `python`
+    beside it so that the daemon finds the job's interpreter (versions, resume fixups)."""
+    folder.mkdir()
+    script = folder / "llamafactory-cli"
+    script.write_text(f'#!/bin/bash\nexec {VENV_BIN / "llamafactory-cli"} "$@"\n')
+    script.chmod(0o755)
+    (folder / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (folder / "python").chmod(0o755)
+    return [str(script)]
 
 
 @pytest.mark.slow
@@ -61,8 +77,10 @@ def test_a_two_node_zero2_night_rank_1_on_node2_oom_every_rank_saves_its_shard_a
     job = lf_config(out, DS_Z2)
     job["supervisor"] = {
         "name": "zero2-two-nodes", "workdir": str(work), "max_attempts": 3, "hang_timeout": "10m",
-        "launcher": [str(VENV_BIN / "llamafactory-cli")],
-        # ACCELERATE_TORCH_DEVICE: see test_slurm_multinode_llamafactory.py (cpu:0 on a multi-rank resume)
+        "launcher": launcher(tmp_path / "bin"),
+        # ACCELERATE_TORCH_DEVICE: with more than one rank transformers 5.6 loads the optimizer state with
+        # map_location=args.device, which accelerate makes `cpu:0` on a CPU run, and torch.load cannot
+        # restore "cpu:0" (seen on a 2-node resume). "cpu" is the same device; GPUs (cuda:N) are unaffected.
         "env": {**DEMO_ENV, **QUIET_OMP, "NPROC_PER_NODE": "1", "ACCELERATE_TORCH_DEVICE": "cpu",
                 "PYTHONPATH": str(HOOK), "TORCH_EXTENSIONS_DIR": TRAIN_ENV["TORCH_EXTENSIONS_DIR"], "OOMTEST_RANKS": "1", "OOMTEST_MAX_TOKENS": str(MAX_TOKENS),
                 "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"},
@@ -73,6 +91,15 @@ def test_a_two_node_zero2_night_rank_1_on_node2_oom_every_rank_saves_its_shard_a
     try:
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
         assert d.cli("submit", str(tmp_path / "job.yaml")).returncode == 0
+        d.wait_for(lambda: judged_or_ended(d, 1), timeout=600, what="attempt 1 judged")
+        assert d.job_state(1) not in ("failed", "succeeded"), json.dumps(d.show(1)["attempt_list"], default=str)[-4000:]
+        # Attempt 2 runs on both nodes: the daemon is killed -9 and must take the same Slurm job back.
+        d.wait_for(lambda: d.cli("logs", "1", "--attempt", "2").stdout.count("Multi-node training enabled") >= 2,
+                   timeout=400, what="attempt 2's torchrun on both nodes")
+        second_job = [e["data"]["slurm_job"] for e in events(d, 1, "slurm_submitted")][-1]
+        d.kill9()
+        time.sleep(1)
+        d.start()
         d.wait_state(1, {"succeeded", "failed"}, timeout=900)
     finally:
         d.stop(signal.SIGTERM, timeout=60)
@@ -85,9 +112,15 @@ def test_a_two_node_zero2_night_rank_1_on_node2_oom_every_rank_saves_its_shard_a
     # 1. rank 1 on node2 ran out in step 9's forward; the attempt record names both
     diag = first["diagnosis"]
     assert (diag["category"], diag["rank"], diag["node"]) == ("gpu_oom", 1, "node2"), diag
+    assert "On node node2 (rank 1)" in diag["summary"], diag["summary"]
     ended = next(e for e in events(d, 1, "attempt_ended") if e["attempt"] == 1)
     assert (ended["data"]["node"], ended["data"]["rank"]) == ("node2", 1), ended
+    # the daemon stopped both nodes itself on the fatal line; Slurm's verdict is kept beside it
+    assert any(e["attempt"] == 1 for e in events(d, 1, "fatal_detected"))
+    v1 = next(e for e in events(d, 1, "scheduler_verdict") if e["attempt"] == 1)
+    assert v1["data"]["nodes"] == ["node1", "node2"] and v1["data"]["evidence"][0].startswith("Slurm ")
     assert first["decision"]["kind"] == "escalate" and first["decision"]["rung"] == "micro_batch", first["decision"]
+    assert "x2 =" in json.dumps(first["decision"]), first["decision"]  # the world of 2 in the remedy's words
 
     # 2. step 8 saved by both ranks, each on its own node, as a checkpoint that loads like a regular one
     assert first["emergency_checkpoint"].startswith("emergency checkpoint at step 8"), first
@@ -117,6 +150,15 @@ def test_a_two_node_zero2_night_rank_1_on_node2_oom_every_rank_saves_its_shard_a
         assert a["resumed_from_step"] == 8, a
     assert last["exit"]["returncode"] == 0 and last["max_step"] == last["total_steps"] == 9
     assert pids_with_marker(str(d.state)) == []
+
+    # Re-adopted after kill -9: the same Slurm job, not a new submission; each node's end kept
+    assert any(e["attempt"] == 2 and second_job in e["message"] for e in events(d, 1, "attempt_adopted")), \
+        [e["message"] for e in events(d, 1, "attempt_adopted")]
+    ids = [e["data"]["slurm_job"] for e in events(d, 1, "slurm_submitted")]
+    assert len(ids) == len(attempts) and len(set(ids)) == len(ids)
+    records = sorted(p.name for p in (d.state / f"jobs/1/attempt-{last['number']}").glob("exit*.json"))
+    assert records == ["exit-node1.json", "exit-node2.json"]
+    assert sl.query(ids[-1]).state == "COMPLETED"
 
     # 4. the night's losses are the uninterrupted 2-rank run's
     got = {s: r["loss"] for s, r in steps_logged(out).items()}
