@@ -37,6 +37,7 @@ DeepSpeed at stage 0 is refused too: its `save_checkpoint` synchronises ranks th
 communication layer, which the writer cannot bypass safely.
 """
 
+import atexit
 import contextlib
 import io
 import json
@@ -139,6 +140,19 @@ class Watcher(threading.Thread):
         self.seen = set()
         self.lock = threading.Lock()
         self.history = {}  # step -> snapshot of that step's end, the last KEEP_STEPS steps
+
+    def start(self):
+        super().start()
+        atexit.register(self.close)
+
+    def close(self, timeout=2.0):
+        """Stopped and joined before the interpreter finalizes: a daemon thread left inside a store
+        call while the store's C++ client is torn down ends the process with std::terminate (seen:
+        'terminate called without an active exception', SIGABRT, on a rank whose training had
+        finished, after its checkpoints were complete), and the supervisor took a finished run for a crash."""
+        self.stop.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout)
 
     def run(self):
         while not self.stop.wait(POLL_S):
