@@ -478,6 +478,15 @@ def cutoff_len(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, 
     return Applied(with_changes(ov, "cutoff_len", what, yaml={"cutoff_len": new}), what, frees)
 
 
+def _zero3_of(job: JobContext, ov: Overrides) -> tuple[Mapping[str, Any] | None, Mapping[str, Any]]:
+    """The DeepSpeed config and its zero_optimization section when the run is ZeRO-3, else (None, {})."""
+    ds = deepspeed_of(job, ov)
+    zero = (ds or {}).get("zero_optimization") or {}
+    if not ds or not isinstance(zero, Mapping) or str(zero.get("stage", 0)) != "3":
+        return None, {}
+    return ds, zero
+
+
 def universal_load(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy, mem: Memory) -> Applied | Skipped:
     """A load-time remedy for ZeRO-3: read the checkpoint through DeepSpeed's universal format
     (parameter by parameter) and without the old rank 0's whole optimizer file, which DeepSpeed's
@@ -490,10 +499,8 @@ def universal_load(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Poli
         return Skipped("the policy does not allow universal checkpoints (allow_universal_checkpoint)")
     if "universal_load" in ov.rungs:
         return Skipped("already loading through the universal format, without the old optimizer file")
-    ds = deepspeed_of(job, ov)
-    zero = (ds or {}).get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
-    if not ds or str(stage) != "3":
+    ds, _ = _zero3_of(job, ov)
+    if ds is None:
         return Skipped("no DeepSpeed ZeRO-3 checkpoint to load another way (a lean universal load is "
                        "measured for ZeRO-3 only)")
     section = ds.get("checkpoint") if isinstance(ds.get("checkpoint"), Mapping) else {}
@@ -521,9 +528,8 @@ def sharded_save(job: JobContext, ov: Overrides, diag: Diagnosis, policy: Policy
         return Skipped("not a LLaMA-Factory job")
     if not policy.allow_sharded_save:
         return Skipped("the policy does not allow checkpoints without consolidated weights (allow_sharded_save)")
-    ds = deepspeed_of(job, ov)
-    zero = (ds or {}).get("zero_optimization") or {}
-    if not ds or not isinstance(zero, Mapping) or str(zero.get("stage", 0)) != "3":
+    ds, zero = _zero3_of(job, ov)
+    if ds is None:
         return Skipped("not DeepSpeed ZeRO-3: its saves gather no 16-bit weights")
     if str(view_of(job, ov).config.get("finetuning_type", "lora")) == "lora":
         return Skipped("a LoRA adapter's save gathers only the adapter, whatever the config says")
