@@ -50,7 +50,10 @@ bash scripts/setup.sh
 if [ $# -eq 0 ]; then
   ext=${OOMSUP_TEST_CACHE:-$(pwd -P)/.cache/test-ml}/torch_extensions  # the path tests/conftest_ml.py uses
   mkdir -p "$ext"
-  TORCH_EXTENSIONS_DIR=$ext setsid .venv/bin/python -c \
+  # The venv's bin first, as every test's DeepSpeed process has it (tests/conftest_ml.py's DS_ENV):
+  # torch builds with the `ninja` on PATH, and the system's ninja would leave a build log the venv's
+  # ninja does not trust, so the first test would build the ops again.
+  PATH="$(pwd -P)/.venv/bin:$PATH" TORCH_EXTENSIONS_DIR=$ext setsid .venv/bin/python -c \
     'from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()
 from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()' \
     >"$ext/../prebuild.log" 2>&1 &

@@ -27,6 +27,15 @@ VENV_BIN = Path(sys.executable).parent
 LLAMAFACTORY_CLI = VENV_BIN / "llamafactory-cli"
 CACHE = Path(os.environ.get("OOMSUP_TEST_CACHE", REPO / ".cache" / "test-ml"))
 
+# What a DeepSpeed process needs to find the CPU ops scripts/test.sh prebuilt, not rebuild them: the
+# same folder and the same ninja. torch.utils.cpp_extension runs `ninja` from PATH; the venv's (pip's
+# ninja 1.13) and the system's (1.11) keep incompatible build logs, so a process that finds the other
+# one rebuilds the op (~100 s of CPU), and the next process with the first ninja rebuilds it back.
+DS_ENV = {
+    "TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions"),  # DeepSpeed ops compile once
+    "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # also torchrun, for FORCE_TORCHRUN
+}
+
 # Offline, quiet, fast: nothing may come from a hub.
 TRAIN_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -34,9 +43,8 @@ TRAIN_ENV = {
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "DISABLE_VERSION_CHECK": "1",
-    "TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions"),  # DeepSpeed ops compile once
     "OMP_WAIT_POLICY": "PASSIVE",  # also through a daemon (tests/conftest.py, QUIET_OMP)
-    "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",  # torchrun for FORCE_TORCHRUN
+    **DS_ENV,
 }
 
 # The DeepSpeed ZeRO-3 config of LLaMA-Factory's examples/deepspeed/ds_z3_config.json.

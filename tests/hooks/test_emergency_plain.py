@@ -196,12 +196,12 @@ def zero3(tmp_path_factory):
         import deepspeed  # noqa: F401
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"deepspeed not importable: {e}")
-    from tests.conftest_ml import CACHE, ds_z3
+    from tests.conftest_ml import DS_ENV, ds_z3
 
     root = tmp_path_factory.mktemp("z3")
     cfg = root / "z3.json"
     cfg.write_text(json.dumps(ds_z3(offload=False)))
-    return root, cfg, {"TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions")}
+    return root, cfg, dict(DS_ENV)
 
 
 def torchrun(port: int) -> list[str]:

@@ -36,9 +36,9 @@ def ds_env():
         import deepspeed  # noqa: F401
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"deepspeed not importable: {e}")
-    from tests.conftest_ml import CACHE
+    from tests.conftest_ml import DS_ENV
 
-    return {"TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions")}
+    return dict(DS_ENV)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
