@@ -71,6 +71,8 @@ def test_fixture_is_classified_as_labeled(case):
         assert rule in {e["rule"] for e in got["evidence"]}, got["evidence"]
     for rule in want.get("no_evidence_rules", ()):
         assert rule not in {e["rule"] for e in got["evidence"]}
+    if "likely" in want:  # an `unknown`'s "why not": the category named first as where to look
+        assert got["candidates"] and got["candidates"][0]["category"] == want["likely"], got["candidates"]
     for text in want.get("summary_contains", ()):
         assert text in d.summary, d.summary
     if "last_step" in want:

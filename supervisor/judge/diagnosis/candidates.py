@@ -41,10 +41,12 @@ def likely_categories(state: ScanState, n: int = 2) -> tuple[Candidate, ...]:
     score: dict[Category, float] = defaultdict(float)
     lines: dict[Category, dict[int, str]] = defaultdict(dict)
     for f in state.findings:
-        if f.category in (Category.UNKNOWN, Category.SUCCESS):
+        # A kill marker is filed as a crash (what happened); where to look is memory, its likeliest sender.
+        cat = Category.HOST_OOM if f.rule == "sigkill" else f.category
+        if cat in (Category.UNKNOWN, Category.SUCCESS):
             continue
-        score[f.category] += _TIER_WEIGHT.get(f.tier, 1)
-        lines[f.category][f.line_no] = f.text
+        score[cat] += _TIER_WEIGHT.get(f.tier, 1)
+        lines[cat][f.line_no] = f.text
     seen = {f.line_no for f in state.findings}
     for no, text in state.program_tail():
         if no in seen or not text.strip():

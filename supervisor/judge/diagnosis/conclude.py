@@ -25,8 +25,8 @@ Root-cause order (documented here, tested in tests/diagnosis):
      oom_kill counter > 0, a kernel OOM line (HostEvidence), min_available_bytes
      <= max(64 MiB, 2% of the memory limit), the supervisor's own memory-limit stop, or
      the scheduler's OUT_OF_MEMORY. Otherwise it is crash_other/sigkill_unexplained, unless
-     nothing was measured and the log itself reports the kill (shell, launcher): then a likely
-     host OOM, strength "hint", said as not confirmed.
+     nothing was measured and the log itself reports the kill (shell, launcher): then unknown,
+     its "why not" naming host_oom first (a kill says it came, not who sent it).
      A kill the supervisor made itself (stopped_by fatal_signal/hang) is never
      read as a kill: the log decides.
   5. `stopped_by == "hang"`: hang, unless the log shows a tier 1-2 cause; an OOM seen in the
@@ -400,20 +400,20 @@ def _fatal_line_gone(c: _Case) -> Diagnosis | None:
                  c.state)
 
 
-def _likely_oom_kill(c: _Case) -> Diagnosis | None:
+def _unmeasured_kill(c: _Case) -> Diagnosis | None:
     """The log's own report of the kill (the shell's "Killed", a launcher's "-9") and nothing
-    measured either way: the kernel's OOM killer is by far the likeliest sender. Said as a likely cause."""
+    measured either way: the kernel's OOM killer is the likeliest sender, but a kill says only that
+    it came. `unknown` (no remedy acts on it), its "why not" naming host_oom and the kill line."""
     log_kill = max((f for f in c.active if f.rule == "sigkill"), key=lambda f: f.line_no, default=None)
     if not (c.killed and log_kill is not None and not _measured(c.host) and not c.own_kill
             and c.state.last_advance_line <= log_kill.line_no):
         return None
     first_kill = c.kill_marker or log_kill
-    root = Root(hit=Hit("oom_killer_unconfirmed", Category.HOST_OOM, ROOT, "oom_killer_unconfirmed", vendor="cpu"),
-                line_no=first_kill.line_no, text=first_kill.text, rank=first_kill.rank, phase=first_kill.phase,
-                notes=[("killed by SIGKILL, most likely by the kernel's OOM killer; no host memory evidence"
-                        " (cgroup counter, kernel log, memory samples) was gathered to confirm it or rule it out")],
-                line_rule="sigkill")
-    return diagnosis_of(root, c.state, " (a likely cause, not confirmed: weaker evidence)", strength="hint")
+    return plain(Category.UNKNOWN, "no_evidence",
+                 f"Killed by SIGKILL (line {first_kill.line_no}); no host memory evidence (cgroup counter, kernel"
+                 " log, memory samples) was gathered, so the cause is not known: most likely the kernel's OOM"
+                 " killer, possibly an outside `kill -9`.",
+                 c.state, (first_kill.evidence(),), phase=first_kill.phase)
 
 
 def _unexplained_kill(c: _Case) -> Diagnosis | None:
@@ -492,7 +492,7 @@ STEPS = (
     _hung,                # 5. the supervisor's hang stop, refined by what the log shows
     _rooted,              # 3. that root cause
     _fatal_line_gone,     #    stopped on a fatal line no longer decisive
-    _likely_oom_kill,     # 4. a kill the log reports, nothing measured: a likely host OOM (hint)
+    _unmeasured_kill,     # 4. a kill the log reports, nothing measured: unknown, host_oom most likely
     _unexplained_kill,    #    any other kill: crash_other/sigkill_unexplained
     _signal_or_hint,      # 6. a fatal signal, then hints
     _stalled,             #    a pasted log that stops mid-way with nothing after: a likely hang (hint)
