@@ -40,6 +40,11 @@ stop_clusters() {
 
 bash scripts/setup.sh
 
+# The suite starts thousands of Python processes (daemons, CLI calls, trainings with the start-up
+# hook): with PYTHONDONTWRITEBYTECODE set (some shells and containers set it) each one compiles this
+# package from source again, and pytest rewrites every test module's asserts again in each worker.
+unset PYTHONDONTWRITEBYTECODE
+
 # DeepSpeed's CPU ops compile on their first use: its shared-memory collectives (every DeepSpeed
 # process on a CPU box loads them: ~50 s of CPU) and CPU Adam (what ZeRO offload steps with: ~130 s
 # of one core), which a fresh clone's first DeepSpeed tests would spend inside the suite. Build them

@@ -105,17 +105,50 @@ def pytest_collection_modifyitems(config, items):
 TIMELINE = os.environ.get("OOM_SUPERVISOR_TEST_TIMELINE")
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of every child it has reaped (with what they reaped): a test's
+    daemons, trainings and CLI calls. A process a fixture keeps across tests counts where it is reaped."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+_phase_cpu = [0.0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With a timeline, each phase's report carries the CPU it used (the worker measures, the
+    controller writes): on a box whose cores are all busy, CPU, not wall time, is what a test costs."""
+    outcome = yield
+    if TIMELINE:
+        now = _cpu_s()
+        if call.when == "setup" or not _phase_cpu[0]:
+            _phase_cpu[0] = getattr(item, "_cpu_at_start", now)
+        outcome.get_result().user_properties.append(("cpu_s", round(now - _phase_cpu[0], 3)))
+        _phase_cpu[0] = now
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if TIMELINE:
+        item._cpu_at_start = _cpu_s()
+    yield
+
+
 def pytest_runtest_logreport(report):
-    """OOM_SUPERVISOR_TEST_TIMELINE=FILE: one JSON line per test phase (worker, start, stop), so a run
-    can say where its wall time went (bench/suite_timeline.py), not only its 20 slowest tests.
+    """OOM_SUPERVISOR_TEST_TIMELINE=FILE: one JSON line per test phase (worker, start, stop, CPU), so a
+    run can say where its time went (bench/suite_timeline.py), not only its 20 slowest tests.
     Written by the process that sees every report: xdist's controller, or the only one."""
     if not TIMELINE or "PYTEST_XDIST_WORKER" in os.environ:
         return
     node = getattr(report, "node", None)  # the worker a report came from (xdist)
     worker = getattr(getattr(node, "gateway", None), "id", "main")
+    cpu = dict(report.user_properties).get("cpu_s")
     with open(TIMELINE, "a") as fh:
         fh.write(json.dumps({"worker": f"{worker} py{sys.version_info[0]}.{sys.version_info[1]}", "id": report.nodeid, "when": report.when, "start": report.start,
-                             "stop": report.stop, "outcome": report.outcome}) + "\n")
+                             "stop": report.stop, "outcome": report.outcome, "cpu_s": cpu}) + "\n")
 
 
 @pytest.fixture
