@@ -58,3 +58,18 @@ def test_the_same_kill_with_memory_evidence_is_a_host_oom(name):
 def test_the_same_kill_measured_without_memory_pressure_is_not_an_oom():
     d = diagnose_bytes(SHELL_KILLED, ExitRecord(-9, "SIGKILL"), HostEvidence(cgroup_oom_kills=0))
     assert d.category is Category.CRASH_OTHER and d.subkind == "sigkill_unexplained", d.summary
+
+
+# hezhangsprinter/DCPDN#12 (bench/corpus, development part: host_oom_dcpdn_dataloader_worker_killed)
+WORKER_KILLED = (b"  File \"/home/littlemonster/anaconda3/envs/pic/lib/python2.7/site-packages/torch/utils/data/"
+                 b"dataloader.py\", line 175, in handler\n"
+                 b"    _error_if_any_worker_fails()\n"
+                 b"RuntimeError: DataLoader worker (pid 19597) is killed by signal: Killed.\n")
+
+
+def test_one_dataloader_worker_killed_is_a_likely_host_oom():
+    """The OOM killer picks one process; whoever else kills ends the job: one worker killed while its
+    parent lived to report it is a likely host OOM (hint strength, said as not confirmed)."""
+    d = diagnose_bytes(WORKER_KILLED, ExitRecord(1))
+    assert (d.category, d.strength) == (Category.HOST_OOM, "hint"), d.summary
+    assert "DataLoader worker alone" in d.summary and "not confirmed" in d.summary, d.summary

@@ -26,7 +26,8 @@ Root-cause order (documented here, tested in tests/diagnosis):
      <= max(64 MiB, 2% of the memory limit), the supervisor's own memory-limit stop, or
      the scheduler's OUT_OF_MEMORY. Otherwise it is crash_other/sigkill_unexplained, unless
      nothing was measured and the log itself reports the kill (shell, launcher): then unknown,
-     its "why not" naming host_oom first (a kill says it came, not who sent it).
+     its "why not" naming host_oom first (a kill says it came, not who sent it); a DataLoader
+     worker killed alone (the OOM killer picks one process) is a likely host OOM, strength "hint".
      A kill the supervisor made itself (stopped_by fatal_signal/hang) is never
      read as a kill: the log decides.
   5. `stopped_by == "hang"`: hang, unless the log shows a tier 1-2 cause; an OOM seen in the
@@ -400,6 +401,9 @@ def _fatal_line_gone(c: _Case) -> Diagnosis | None:
                  c.state)
 
 
+_WORKER_KILLED = "DataLoader worker"
+
+
 def _unmeasured_kill(c: _Case) -> Diagnosis | None:
     """The log's own report of the kill (the shell's "Killed", a launcher's "-9") and nothing
     measured either way: the kernel's OOM killer is the likeliest sender, but a kill says only that
@@ -409,6 +413,16 @@ def _unmeasured_kill(c: _Case) -> Diagnosis | None:
             and c.state.last_advance_line <= log_kill.line_no):
         return None
     first_kill = c.kill_marker or log_kill
+    if _WORKER_KILLED in log_kill.text:
+        # One DataLoader worker killed while its parent lived to say so: the OOM killer picks one
+        # process; a person, a scheduler or a watchdog ends the job. A likely cause, said as such.
+        root = Root(hit=Hit("oom_killer_unconfirmed", Category.HOST_OOM, ROOT, "oom_killer_unconfirmed", vendor="cpu"),
+                    line_no=log_kill.line_no, text=log_kill.text, rank=log_kill.rank, phase=log_kill.phase,
+                    notes=[("a DataLoader worker alone was killed by SIGKILL, most likely by the kernel's OOM killer;"
+                            " no host memory evidence (cgroup counter, kernel log, memory samples) was gathered"
+                            " to confirm it")],
+                    line_rule="sigkill")
+        return diagnosis_of(root, c.state, " (a likely cause, not confirmed: weaker evidence)", strength="hint")
     return plain(Category.UNKNOWN, "no_evidence",
                  f"Killed by SIGKILL (line {first_kill.line_no}); no host memory evidence (cgroup counter, kernel"
                  " log, memory samples) was gathered, so the cause is not known: most likely the kernel's OOM"
