@@ -27,6 +27,26 @@ VENV_BIN = Path(sys.executable).parent
 LLAMAFACTORY_CLI = VENV_BIN / "llamafactory-cli"
 CACHE = Path(os.environ.get("OOMSUP_TEST_CACHE", REPO / ".cache" / "test-ml"))
 
+# Uninterrupted runs' per-step losses, measured once and kept with the code (README there): keyed by
+# what they depend on, the CPU included, so a fresh clone reads them instead of training them again.
+REFERENCES = REPO / "tests" / "fixtures" / "references"
+# Instruction sets that pick torch's CPU kernels (and so the last bits of a loss)
+ISA_FLAGS = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "amx_tile", "amx_bf16", "amx_int8"}
+
+
+def cpu_kind() -> str:
+    """The CPU as far as it decides a loss's bits: vendor, model and the instruction sets torch uses."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+        if key.strip() == "flags":
+            break
+    flags = sorted(ISA_FLAGS & set(info.get("flags", "").split()))
+    return " ".join([info.get("vendor_id", "?"), info.get("model name", "?"), *flags])
+
+
 # What a DeepSpeed process needs to find the CPU ops scripts/test.sh prebuilt, not rebuild them: the
 # same folder and the same ninja. torch.utils.cpp_extension runs `ninja` from PATH; the venv's (pip's
 # ninja 1.13) and the system's (1.11) keep incompatible build logs, so a process that finds the other

@@ -32,7 +32,7 @@ from supervisor.run.checkpoints import scan_output_dir
 
 from ..conftest import QUIET_OMP, DaemonProc, drop, pids_with_marker, write_config
 from ..conftest_ml import CACHE as ML_CACHE
-from ..conftest_ml import TRAIN_ENV, needs_llamafactory, steps_logged
+from ..conftest_ml import REFERENCES, TRAIN_ENV, cpu_kind, needs_llamafactory, steps_logged
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]
 
@@ -68,24 +68,6 @@ def lf_config(out: Path, deepspeed: Path | None = None, *, full: bool = False) -
 # and the same kind of CPU reads them instead of training a third and fourth 2-rank run beside the
 # nights. To refresh after a pin change: run the nights once (they measure and cache what has no
 # file here), then copy .cache/test-ml/*-ddp-2-ranks-reference-*.json here.
-REFERENCES = Path(__file__).resolve().parents[1] / "fixtures" / "references"
-# Instruction sets that pick torch's CPU kernels (and so the last bits of a loss)
-ISA_FLAGS = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "amx_tile", "amx_bf16", "amx_int8"}
-
-
-def cpu_kind() -> str:
-    """The CPU as far as it decides a loss's bits: vendor, model and the instruction sets torch uses."""
-    info: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        info.setdefault(key.strip(), value.strip())
-        if key.strip() == "flags":
-            break
-    flags = sorted(ISA_FLAGS & set(info.get("flags", "").split()))
-    return " ".join([info.get("vendor_id", "?"), info.get("model name", "?"), *flags])
-
-
 def reference_key(full: bool) -> str:
     """What an uninterrupted run's losses depend on: the training config (paths under the shared
     asset cache, whose folder names hash the assets' parameters), the libraries that train, the CPU."""
