@@ -8,6 +8,7 @@ temp dirs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -197,6 +198,29 @@ def log_records(output_dir: Path) -> list[dict[str, Any]]:
 def steps_logged(output_dir: Path) -> dict[int, dict[str, Any]]:
     """Per-step loss/lr records (the final summary line has no loss)."""
     return {r["current_steps"]: r for r in log_records(output_dir) if "loss" in r}
+
+
+def kept_steps(name: str, cfg: Mapping[str, Any], make: Callable[[], Path]) -> dict[int, dict[str, Any]]:
+    """An uninterrupted LLaMA-Factory run's per-step records (as steps_logged gives them): kept with the
+    code (REFERENCES) for this config, stack and kind of CPU, else made here by `make()` (which trains
+    and returns the run's output folder) and cached. Only for a reference a test compares with, never
+    for a run whose files a test reads."""
+    from importlib.metadata import version
+
+    text = yaml.safe_dump({k: v for k, v in cfg.items() if k != "output_dir"}).replace(str(REPO), "<repo>")
+    libs = [f"{m}=={version(m)}" for m in ("torch", "transformers", "llamafactory", "peft", "accelerate")]
+    key = hashlib.sha256("\n".join([text, *libs, cpu_kind()]).encode()).hexdigest()[:16]
+    file = f"{name}-reference-{key}.json"
+    for path in (REFERENCES / file, CACHE / file):
+        if path.exists():
+            return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    keep = ("current_steps", "total_steps", "loss", "lr", "epoch")  # not the timings: they vary run to run
+    steps = {n: {k: r[k] for k in keep if k in r} for n, r in steps_logged(make()).items()}
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE / f"{file}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(steps))
+    os.replace(tmp, CACHE / file)
+    return steps
 
 
 def copy_run(src: Path, dst: Path) -> Path:

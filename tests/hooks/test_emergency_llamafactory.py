@@ -28,7 +28,13 @@ from supervisor.judge.policy.render import HOOK_DIR
 from supervisor.judge.resume import plan_resume, run_shape
 from supervisor.run.checkpoints import scan_output_dir
 from supervisor.run.progress import read_progress, steps_lost
-from tests.conftest_ml import LLAMAFACTORY_CLI, TRAIN_ENV, needs_llamafactory, steps_logged
+from tests.conftest_ml import (
+    LLAMAFACTORY_CLI,
+    TRAIN_ENV,
+    kept_steps,
+    needs_llamafactory,
+    steps_logged,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]
 
@@ -67,10 +73,15 @@ def train(root: Path, name: str, cfg: dict, *, limit: int | None, hook: bool = T
 def runs(tmp_path_factory):
     needs_llamafactory()
     root = tmp_path_factory.mktemp("lf")
-    rc, log = train(root, "ref", job(root / "ref"), limit=None, hook=False)
-    assert rc == 0, log[-3000:]
+
+    def uninterrupted() -> Path:
+        rc, log = train(root, "ref", job(root / "ref"), limit=None, hook=False)
+        assert rc == 0, log[-3000:]
+        return root / "ref"
+
+    ref = kept_steps("lf-rlimit-demo", job(root / "ref"), uninterrupted)  # no hook, no limit: the reference
     rc, log = train(root, "oom", job(root / "out"), limit=LIMIT_BYTES)
-    return {"root": root, "oom_rc": rc, "oom_log": log}
+    return {"root": root, "oom_rc": rc, "oom_log": log, "ref": ref}
 
 
 def test_oom_between_checkpoints_leaves_a_complete_checkpoint_of_the_last_step(runs):
@@ -114,7 +125,7 @@ def test_resuming_the_emergency_checkpoint_with_the_remedy_matches_an_uninterrup
     assert rc == 0, log[-3000:]
     assert "Fast-forwarding the dataloader past 0 epochs and 32 batches" in log  # 8 steps x 4 micro-batches
 
-    ref, got = steps_logged(root / "ref"), steps_logged(out)
+    ref, got = runs["ref"], steps_logged(out)
     assert sorted(got) == sorted(ref) == list(range(1, 19))
     for step in range(1, 9):  # attempt 1, same configuration as the reference until it failed
         assert got[step]["loss"] == ref[step]["loss"]
