@@ -4,7 +4,7 @@
 #   2. Chromium, for the morning report's page test (apt-get, as root or with sudo);
 #   3. the Slurm test clusters, each a script with `up` and `down` (CLUSTERS below);
 #   4. ruff check . (lint, the rules in pyproject.toml; only without arguments);
-#   5. pytest on two workers, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`);
+#   5. pytest on three workers, extra arguments passed on (e.g. `bash scripts/test.sh tests/core -x`);
 #   6. the daemon-side tests again on Python 3.10 (scripts/py310.sh; only without arguments), on one
 #      worker beside step 5, its output printed after it.
 # Everything it starts is stopped when it exits, passed, failed or interrupted (trap).
@@ -113,11 +113,13 @@ if [ $# -eq 0 ] && [ "${OOM_SUPERVISOR_TEST_PY310:-1}" != 0 ]; then
     setsid bash scripts/py310.sh >.cache/py310.log 2>&1 &
   py310=$!
 fi
-# Two workers (pytest-xdist): most tests wait on real processes, so two keep both cores busy; the
-# tests that share the box's users or the Slurm clusters stay on one worker (tests/conftest.py).
-# OOM_SUPERVISOR_TEST_WORKERS=0 runs them in this process, one after another; `-n N` overrides.
+# Three workers (pytest-xdist) on the 2-core CI box: with two, the cores sat ~7% idle over the run
+# (vmstat; the chaos, control and Slurm tests wait on daemons and the scheduler), with three 3%, and
+# the same commit's fresh-clone run took 1,610 s instead of 1,821 s. The tests that share the box's
+# users or the Slurm clusters stay on one worker (tests/conftest.py). OOM_SUPERVISOR_TEST_WORKERS=N
+# sets the number (0: in this process, one after another); `-n N` overrides.
 # --durations=20: every run says where its time went (the 20 slowest tests).
-.venv/bin/python -m pytest -q -ra --durations=20 -n "${OOM_SUPERVISOR_TEST_WORKERS:-2}" --dist load "$@" || rc=$?
+.venv/bin/python -m pytest -q -ra --durations=20 -n "${OOM_SUPERVISOR_TEST_WORKERS:-3}" --dist load "$@" || rc=$?
 if [ -n "$py310" ]; then
   r=0; wait "$py310" || r=$?
   say "the daemon and CLI on Python 3.10 (scripts/py310.sh), run beside the main run:"
