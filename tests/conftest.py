@@ -114,9 +114,6 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-_phase_cpu = [0.0]
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """With a timeline, each phase's report carries the CPU it used (the worker measures, the
@@ -124,16 +121,14 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     if TIMELINE:
         now = _cpu_s()
-        if call.when == "setup" or not _phase_cpu[0]:
-            _phase_cpu[0] = getattr(item, "_cpu_at_start", now)
-        outcome.get_result().user_properties.append(("cpu_s", round(now - _phase_cpu[0], 3)))
-        _phase_cpu[0] = now
+        outcome.get_result().user_properties.append(("cpu_s", round(now - item._cpu_mark, 3)))
+        item._cpu_mark = now  # the next phase counts from here
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if TIMELINE:
-        item._cpu_at_start = _cpu_s()
+        item._cpu_mark = _cpu_s()
     yield
 
 

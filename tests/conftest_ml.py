@@ -48,6 +48,15 @@ def cpu_kind() -> str:
     return " ".join([info.get("vendor_id", "?"), info.get("model name", "?"), *flags])
 
 
+def stack_key(config_text: str) -> str:
+    """What an uninterrupted LLaMA-Factory run's losses depend on: its config (as text, no per-clone
+    paths), the libraries that train, the CPU."""
+    from importlib.metadata import version
+
+    libs = [f"{m}=={version(m)}" for m in ("torch", "transformers", "llamafactory", "peft", "accelerate")]
+    return hashlib.sha256("\n".join([config_text, *libs, cpu_kind()]).encode()).hexdigest()[:16]
+
+
 # What a DeepSpeed process needs to find the CPU ops scripts/test.sh prebuilt, not rebuild them: the
 # same folder and the same ninja. torch.utils.cpp_extension runs `ninja` from PATH; the venv's (pip's
 # ninja 1.13) and the system's (1.11) keep incompatible build logs, so a process that finds the other
@@ -205,12 +214,8 @@ def kept_steps(name: str, cfg: Mapping[str, Any], make: Callable[[], Path]) -> d
     code (REFERENCES) for this config, stack and kind of CPU, else made here by `make()` (which trains
     and returns the run's output folder) and cached. Only for a reference a test compares with, never
     for a run whose files a test reads."""
-    from importlib.metadata import version
-
     text = yaml.safe_dump({k: v for k, v in cfg.items() if k != "output_dir"}).replace(str(REPO), "<repo>")
-    libs = [f"{m}=={version(m)}" for m in ("torch", "transformers", "llamafactory", "peft", "accelerate")]
-    key = hashlib.sha256("\n".join([text, *libs, cpu_kind()]).encode()).hexdigest()[:16]
-    file = f"{name}-reference-{key}.json"
+    file = f"{name}-reference-{stack_key(text)}.json"
     for path in (REFERENCES / file, CACHE / file):
         if path.exists():
             return {int(k): v for k, v in json.loads(path.read_text()).items()}

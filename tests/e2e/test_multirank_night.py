@@ -12,7 +12,6 @@ effective batch) is what makes it fit. The product contains no injection.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -32,7 +31,7 @@ from supervisor.run.checkpoints import scan_output_dir
 
 from ..conftest import QUIET_OMP, DaemonProc, drop, pids_with_marker, write_config
 from ..conftest_ml import CACHE as ML_CACHE
-from ..conftest_ml import REFERENCES, TRAIN_ENV, cpu_kind, needs_llamafactory, steps_logged
+from ..conftest_ml import REFERENCES, TRAIN_ENV, needs_llamafactory, stack_key, steps_logged
 
 pytestmark = [pytest.mark.slow, pytest.mark.ml]
 
@@ -69,13 +68,9 @@ def lf_config(out: Path, deepspeed: Path | None = None, *, full: bool = False) -
 # nights. To refresh after a pin change: run the nights once (they measure and cache what has no
 # file here), then copy .cache/test-ml/*-ddp-2-ranks-reference-*.json here.
 def reference_key(full: bool) -> str:
-    """What an uninterrupted run's losses depend on: the training config (paths under the shared
-    asset cache, whose folder names hash the assets' parameters), the libraries that train, the CPU."""
-    from importlib.metadata import version
-
-    cfg = yaml.safe_dump(lf_config(Path("/out"), full=full)).replace(str(CACHE), "")
-    libs = [f"{m}=={version(m)}" for m in ("torch", "transformers", "llamafactory", "peft", "accelerate")]
-    return hashlib.sha256("\n".join([cfg, *libs, cpu_kind()]).encode()).hexdigest()[:16]
+    """The training config (paths under the shared asset cache, whose folder names hash the assets'
+    parameters), the libraries that train, the CPU."""
+    return stack_key(yaml.safe_dump(lf_config(Path("/out"), full=full)).replace(str(CACHE), ""))
 
 
 def cached_reference(full: bool) -> tuple[Path, dict[int, float] | None]:
