@@ -12,6 +12,7 @@ effective batch) is what makes it fit. The product contains no injection.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -193,6 +194,19 @@ def run_night(tmp_path: Path, deepspeed: Path | None = None, *,
     return d, job, ref, time.monotonic() - t0
 
 
+def resume_step(prev: dict, first: dict) -> int:
+    """Where the attempt after `prev` must resume: checkpoint-8 (the emergency save), unless `prev`
+    (a remedied attempt, not the OOM's) ended after its last step and the final checkpoint were saved:
+    a crash at the process's exit, which the product takes for what it is, a failure of unknown cause,
+    and retries from that final checkpoint. Seen in CI and reproduced under CPU load (4 busy loops
+    beside 2 ZeRO-3 nights: 1 of 2): the rank that finished first died of SIGABRT ("terminate called
+    without an active exception") in gloo's teardown while rank 0 still wrote the model."""
+    if prev is first or prev["max_step"] != 9:
+        return 8
+    assert prev["diagnosis"]["category"] == "unknown" and prev["diagnosis"]["subkind"] == "abort", prev["diagnosis"]
+    return 9
+
+
 def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float, stage: int = 0,
                 full: bool = False) -> None:
     sharded = stage > 0
@@ -235,15 +249,17 @@ def check_night(d: DaemonProc, job: dict, ref: dict[int, float], *, took: float,
     assert attempts[-1]["steps_lost"] is None  # it finished: nothing is lost
     started = [e["data"] for e in shown["events"] if e["kind"] == "attempt_started"]
     assert [s["world_size"] for s in started] == [RANKS] * len(attempts), started
-    for a in attempts[1:]:
+    for prev, a in itertools.pairwise(attempts):
         env = json.loads((d.state / f"jobs/1/attempt-{a['number']}/environment.json").read_text())["env"]
         assert env["NPROC_PER_NODE"] == str(RANKS), env  # the effective batch counts the ranks too
         eff = yaml.safe_load((d.state / f"jobs/1/attempt-{a['number']}/effective.yaml").read_text())
         assert eff["per_device_train_batch_size"] < MICRO
         assert eff["per_device_train_batch_size"] * eff["gradient_accumulation_steps"] == MICRO * ACCUM
-        assert a["resumed_from_step"] == 8 and a["resumed_from"].endswith("checkpoint-8"), a
+        assert a["resumed_from_step"] == resume_step(prev, first) and \
+            a["resumed_from"].endswith(f"checkpoint-{a['resumed_from_step']}"), (a, prev["diagnosis"])
     assert last["exit"]["returncode"] == 0 and last["diagnosis"]["category"] == "success"
-    assert last["max_step"] == last["total_steps"] == 9
+    # (an attempt resumed from the final checkpoint trains nothing and shows no progress bar: no total)
+    assert last["max_step"] == 9 and last["total_steps"] == (None if last["resumed_from_step"] == 9 else 9), last
     assert pids_with_marker(str(d.state)) == []
 
     # 3. the night's per-step losses are the uninterrupted 2-rank run's

@@ -212,6 +212,9 @@ def _make_tracker(trainer):
             if self.watcher is not None:  # joined: no store call of ours may be running at exit
                 self.watcher.stop.set()
                 self.watcher.join(timeout=5)
+                if self.watcher.is_alive():  # then a crash at exit may be ours: say so in the log
+                    warn(f"emergency checkpoint watcher on rank {self.watcher.channel.rank} still in a store "
+                         "call 5 s after the training ended")
                 self.watcher = None
 
     return EmergencyTracker()
