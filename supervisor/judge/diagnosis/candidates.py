@@ -23,7 +23,11 @@ _POINTERS = (
     (Category.DISK_FULL, re.compile(r"No space left on device|Disk quota exceeded")),
     (Category.DEVICE_FAULT, re.compile(r"\bXid\b|\bECC\b|illegal memory access|HSA_STATUS_ERROR|GPU Hang")),
     (Category.ENVIRONMENT, re.compile(r"ConnectionError|name resolution|HTTPSConnectionPool|ReadTimeout|ProxyError"
-                                      r"|SSLError|huggingface\.co")),
+                                      r"|SSLError"
+                                      # the Hub named in a failure, never in a farewell ("share your model on
+                                      # huggingface.co/models")
+                                      r"|(?:[Ee]rror|[Ff]ail|[Tt]imed? ?out|refused|couldn't connect).*huggingface\.co"
+                                      r"|huggingface\.co.*(?:[Ee]rror|[Ff]ail|[Tt]imed? ?out|refused)")),
     (Category.GPU_OOM, re.compile(r"out of memory|OutOfMemory|\bMax_MA\b|ALLOC_FAILED|hipErrorOutOfMemory")),
     (Category.HOST_OOM, re.compile(r"\bKill(?:ed|ing)\b|SIGKILL|[Ss]ignal 9\b|EXIT CODE: 9\b|exitcode\s*:\s*-9\b"
                                    r"|CPU Virtual Memory|MemoryError|oom[-_ ]kill|Cannot allocate memory")),
