@@ -345,17 +345,22 @@ def _weigh(c: _Case) -> Diagnosis | None:
 
 
 def _host_root(c: _Case) -> Root | None:
-    """A kill (or the cgroup's OOM kill counter) that host memory evidence corroborates: host OOM."""
+    """A kill (or the cgroup's OOM kill counter) that host memory evidence corroborates: host OOM.
+    The kernel's OOM-kill line is a kill in itself: the daemon keeps only those naming the job's own
+    processes or cgroup (run/kernel_log.py), so one rank killed under a launcher that then exits 1
+    (DeepSpeed's "Killing subprocess", torchrun's exit code) is this job's host OOM too."""
     host, kill_marker = c.host, c.kill_marker
     words, kernel_ev = _memory_corroboration(host)
-    if not words or not (c.killed or (host and host.cgroup_oom_kills)):
+    if not words or not (c.killed or (host and host.cgroup_oom_kills) or kernel_ev):
         return None
     if host is not None and host.limit_enforced_kill and not c.exit_killed and kill_marker is None:
         what = "the supervisor stopped the job at its memory limit"
     elif c.killed:
         what = "SIGKILL " + ("(exit status)" if c.exit_killed else f"(line {kill_marker.line_no})")  # type: ignore[union-attr]
-    else:
+    elif host and host.cgroup_oom_kills:
         what = "a process in the job's cgroup was OOM-killed"
+    else:
+        what = "the kernel's OOM killer killed a process of the job"
     return Root(
         hit=Hit("oom_killer", Category.HOST_OOM, ROOT, "oom_killer", vendor="cpu"),
         line_no=kill_marker.line_no if kill_marker else 0, text=kill_marker.text if kill_marker else "",

@@ -176,7 +176,10 @@ DS_STEP_RE = re.compile(r"\bstep=(\d+), skipped=\d+")
 RETRY_BATCH_RE = re.compile(r"Currently training with a batch size of: (\d+)")
 # DeepSpeed's fused ("OVERFLOW! Rank 0 Skipping step") and unfused ("fp16 dynamic loss scale overflow! Skipping
 # step") optimizers
-LOSS_SCALE_RE = re.compile(r"(?:OVERFLOW!|scale overflow! Skipping step\.).*?Attempted loss scale: (\d+(?:\.\d+)?)(?:, reducing to (\d+(?:\.\d+)?))?")
+LOSS_SCALE_RE = re.compile(r"(?:OVERFLOW!|scale overflow! Skipping step\.|Overflow detected\. Skipping step\.)"
+                           r".*?Attempted loss scale: (\d+(?:\.\d+)?)(?:, reducing to (\d+(?:\.\d+)?))?")
+# DeepSpeed's fp16 fused_optimizer._update_scale, on each overflow: "Reducing dynamic loss scale from 2 to 1"
+SCALE_REDUCED_RE = re.compile(r"Reducing dynamic loss scale from (\d+(?:\.\d+)?) to (\d+(?:\.\d+)?)")
 # Megatron/apex-style: "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 0.5"
 # fairseq/trainer.py: "NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 64.0"
 GRAD_OVERFLOW_RE = re.compile(r"(?:Gradient overflow\.\s+Skipping step,.*?reducing (?:loss scale )?to"
@@ -239,7 +242,7 @@ def _short(exc: str | None) -> str | None:
 _RULE_TRIGGERS = (
     "ut of memory", "OutOfMemory", "ALLOC_FAILED", "memory_error", "AllocFailed", "OUT_OF_RESOURCES",
     "allocate buffer", "MIOpen", "rocBLAS", "cache blocks", "KV cache", "on startup is less", "executable batch size",
-    "DefaultCPUAllocator", "bad_alloc", "Kill process", "Killed process", "oom-kill", "oom_kill", "oom_reaper", "illegal",
+    "DefaultCPUAllocator", "bad_alloc", "memory allocation of", "Kill process", "Killed process", "oom-kill", "oom_kill", "oom_reaper", "illegal",
     "IllegalAddress", "Memory access fault", "GPU Hang", "LaunchTimeOut", "launch timed out", "HSA_STATUS_ERROR",
     "ECC error", "Xid", "fallen off the bus", "launch failure", "LaunchFailure", "misaligned address",
     "Watchdog caught", "NCCL operations have failed", "eartbeat monitor", "watchdog got stuck", "blocking wait",

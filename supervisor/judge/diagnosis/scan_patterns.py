@@ -81,7 +81,8 @@ _BAR_RE = re.compile(rb"%\|[^|\r\n]{0,200}\|\s*(\d+)/(\d+) \[")
 _MARKER_GATE = compile_search(
     r"Loading checkpoint shards|loading weights file|\*\*\*\*\*|Saving model checkpoint|Loading model from"
     r"|Continuing training|Resuming training|optimization steps|checkpoint-|skipped=|batch size of|OVERFLOW|local_rank"
-    r"|is ready now|Deleting older checkpoint|Gradient overflow|overflow detected|scale overflow!|Loading weights|Load checkpoint|Loading checkpoint from"
+    r"|is ready now|Deleting older checkpoint|Gradient overflow|verflow detected|scale overflow!|Loading weights|Load checkpoint|Loading checkpoint from"
+    r"|Reducing dynamic loss scale"
     r"|zero partition checkpoints|zero checkpoints|loading model tensors|etrying|falling back"
 )
 # A tqdm bar left without a newline, glued in front of the text that followed it.

@@ -498,8 +498,9 @@ class LogScanner(StreamReading, ProgressReading):
                         and 0 <= line_no - w.line_no <= RETRY_WINDOW):
                     w.recovered = True
                     w.notes.append(f"the program said it retries at line {line_no}")
-        if "OVERFLOW" in t or "Gradient overflow" in t or "overflow detected" in t or "scale overflow!" in t:
-            m = rules.LOSS_SCALE_RE.search(t) or rules.GRAD_OVERFLOW_RE.search(t)
+        if ("OVERFLOW" in t or "verflow detected" in t or "Gradient overflow" in t or "scale overflow!" in t
+                or "Reducing dynamic loss scale" in t):
+            m = rules.LOSS_SCALE_RE.search(t) or rules.SCALE_REDUCED_RE.search(t) or rules.GRAD_OVERFLOW_RE.search(t)
             if m and float(m.group(1)) <= 1:
                 self._min_scale_overflows += 1
             if m:
@@ -517,7 +518,7 @@ class LogScanner(StreamReading, ProgressReading):
 
     def _track_scale_run(self, m: re.Match[str], line_no: int) -> None:
         """A run of overflows, each lowering the fp16 loss scale from where the previous left it."""
-        if m.re is rules.LOSS_SCALE_RE:
+        if m.re is rules.LOSS_SCALE_RE or m.re is rules.SCALE_REDUCED_RE:
             attempted, new = float(m.group(1)), float(m.group(2)) if m.group(2) else float(m.group(1))
         else:
             attempted, new = None, float(m.group(1))

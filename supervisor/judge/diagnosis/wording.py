@@ -29,7 +29,7 @@ _SUBKIND_WORDS = {
     "cpu_allocator": "PyTorch CPU allocator",
     "pinned": "pinned (page-locked) host memory",
     "python_memory_error": "Python MemoryError",
-    "bad_alloc": "C++ std::bad_alloc",
+    "bad_alloc": "C++ std::bad_alloc or Rust's failed allocation",
     "enomem": "the OS refused memory (ENOMEM)",
     "oom_killer": "killed by the kernel OOM killer",
 }

@@ -66,7 +66,7 @@ _CHECK_MESSAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
     (
         "invalid_arguments",
         re.compile(
-            r"[Pp]lease (?:set|specify|provide|pass|select) `|(?:[Mm]ust|[Nn]eeds? to|[Ss]hould) be one of"
+            r"[Pp]lease (?:set|specify|provide|pass|select|input) (?:`|the |an? )|(?:[Mm]ust|[Nn]eeds? to|[Ss]hould) be one of"
             r"|is not a valid [A-Z]\w+|[Yy]ou selected an invalid|(?:should|must) be divisible by|is not divisible by"
             r"|is not compatible with|can only work with|mixed precision requires|`--\w+` arg cannot be"
             r"|remaining_argv: \[|\bTarget modules? .*(?:not found in the base model|is not supported)"

@@ -17,7 +17,8 @@ _CPU_ALLOC_RE = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not e
 _SHM_RE = re.compile(r"insufficient shared memory|out of shared memory|killed by signal: Bus error"
                      r"|unable to write to file </torch_\w+>")
 _CPU_TRIED_RE = re.compile(r"you tried to allocate (\d+) bytes")
-_BAD_ALLOC_RE = re.compile(r"std::bad_alloc")
+# ...and Rust's default alloc error handler (tokenizers, safetensors), which then aborts the process
+_BAD_ALLOC_RE = re.compile(r"std::bad_alloc|^memory allocation of \d+ bytes failed")
 # The OS refused memory (ENOMEM: a fork of a large process, an mmap), Arrow's allocator failed.
 # Windows spells ENOMEM "Not enough space"; its commit limit (WinError 1455, the paging file) is the same
 # exhaustion of host memory; torch's shared-memory mmap reports ENOMEM as "Cannot allocate memory (12)".
@@ -56,7 +57,7 @@ def find(seg: Segment, t: str, exc: str | None, exc_form: bool, hits: list[Hit])
     gpu = any(h.category is Category.GPU_OOM for h in hits)  # Paddle raises its GPU OOM as MemoryError
     if (exc in _HOST_ALLOC_EXCS and not gpu) or (exc == "OutOfMemoryError" and (seg.exc or "").startswith("java.")):
         hits.append(Hit("memory_error", Category.HOST_OOM, ROOT, "python_memory_error", fatal=True, vendor="cpu", exc=seg.exc))
-    if "bad_alloc" in t and _BAD_ALLOC_RE.search(t) and not gpu:  # RAPIDS: std::bad_alloc: out_of_memory: CUDA
+    if ("bad_alloc" in t or "memory allocation of" in t) and _BAD_ALLOC_RE.search(t) and not gpu:  # RAPIDS: std::bad_alloc: out_of_memory: CUDA
         hits.append(Hit("bad_alloc", Category.HOST_OOM, ROOT, "bad_alloc", fatal=True, vendor="cpu"))
     if ("emory" in t or "oom" in t or "OOM" in t) and _HOST_OOM_SAID_RE.search(t) and not KERNEL_OOM_RE.search(t):
         hits.append(Hit("oom_reported", Category.HOST_OOM, ROOT, "oom_killer", fatal=True, vendor="cpu"))

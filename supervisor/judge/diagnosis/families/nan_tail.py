@@ -44,12 +44,15 @@ _MAIN = frozenset(("loss", "total_loss", "train_loss", "grad_norm", "grad norm",
                    "train/loss", "loss/train", "train/total_loss"))
 _GRAD = frozenset(("grad_norm", "grad norm", "gnorm"))
 # YOLOv5 train.py / ultralytics BaseTrainer: 'epoch/epochs', the memory in G, then the mean losses.
-_YOLO_ROW_RE = re.compile(r"^\s*\d+/\d+\s+[\d.]+G\s+(?P<losses>(?:\S+\s+){1,4}?)\d+\s+\d+\b")
+# (A log pasted from a numbered view keeps the view's line number in front: "516   91/300   17G   nan ...")
+_YOLO_ROW_RE = re.compile(r"^\s*(?:\d+\s+)?\d+/\d+\s+[\d.]+G\s+(?P<losses>(?:\S+\s+){1,4}?)\d+\s+\d+\b")
 # A tensor or array the program printed whose elements are all NaN (torch's and numpy's reprs, at least
 # three): the model's outputs or weights have gone non-finite.
 _NAN_TENSOR_RE = re.compile(r"(?:tensor\(|array\(|^\s*)\[+\s*nan(?:,?\s+\[*nan\]*){2,}", re.IGNORECASE)
 NAN_TAIL_RUN = 2
-_NAN_SAID_RE = re.compile(r"[Ll]oss (?:is|became) (?:nan|NaN|inf)\b|Invalid loss, terminating training")
+_NAN_SAID_RE = re.compile(r"[Ll]oss (?:is|became) (?:nan|NaN|inf)\b|Invalid loss, terminating training"
+                          # ESPnet-style: "loss (=inf) is not correct", "grad norm is nan. Do not update model."
+                          r"|[Ll]oss \(=\s*(?:nan|inf)\)|\bgrad(?:ient)?[ _]norm is (?:nan|inf)\b")
 
 
 def _bad(v: str) -> bool:

@@ -1,0 +1,91 @@
+"""Rules generalised from the development part of batch r10 (issue 29): the formats a library prints,
+not the words of one excerpt. Log text below is written from the libraries' own output formats, cited
+per case; each test also holds the near miss that must not change."""
+
+from supervisor.core.models import Category, ExitRecord, HostEvidence
+from supervisor.judge.diagnosis import diagnose_bytes
+
+
+def _ds(msg: str, t: str = "22:05:35,108") -> bytes:
+    return f"[2021-01-26 {t}] [INFO] [fused_optimizer.py:316:_update_scale] {msg}\n".encode()
+
+
+def test_deepspeeds_fused_optimizer_reducing_the_scale_from_1_to_1_is_the_floor():
+    """deepspeed/runtime/fp16/fused_optimizer.py `_update_scale` logs "Reducing dynamic loss scale from
+    {prev} to {new}" on each overflow, and log_dist "Overflow detected. Skipping step. Attempted loss
+    scale: {prev}, reducing to {new}": at 1 (min_loss_scale's default) every step is skipped for good
+    (bench r10b dev). Early calibration halving from 65536 is not a floor."""
+    floor = _ds("Reducing dynamic loss scale from 1 to 1") * 2 + (
+        b"[2021-01-26 22:05:35,108] [INFO] [logging.py:60:log_dist] [Rank 0] Overflow detected. Skipping step."
+        b" Attempted loss scale: 1, reducing to 1\n")
+    d = diagnose_bytes(floor, None)
+    assert d.category is Category.NUMERIC, d.summary
+    calibrating = b"".join(_ds(f"Reducing dynamic loss scale from {2 ** k} to {2 ** (k - 1)}") for k in (16, 15, 14))
+    assert diagnose_bytes(calibrating, None).category is not Category.NUMERIC
+
+
+def test_a_yolo_epoch_table_pasted_with_its_line_numbers_is_read_like_one_without():
+    """ultralytics' BaseTrainer row ('%11s' * 2 + '%11.4g' * n: epoch/epochs, GPU memory, the mean
+    losses, instances, size), copied from a numbered log view (bench r10b dev): the view's line number
+    in front does not hide the NaN losses; finite ones stay finite."""
+    head = b" 510       Epoch    GPU_mem   box_loss   cls_loss   dfl_loss  Instances       Size\n"
+
+    def row(n: int, epoch: int, losses: str) -> bytes:
+        return (f" {n}      {epoch}/300        17G {losses}          2        640: 100%|##########| 278/278"
+                f" [02:11<00:00,  2.11it/s]\n").encode()
+
+    d = diagnose_bytes(head + row(511, 91, "       nan        nan        nan") + head
+                       + row(516, 92, "       nan        nan        nan"), None)
+    assert d.category is Category.NUMERIC, d.summary
+    fine = head + row(511, 91, "     1.757      1.015       0.96") + head + row(516, 92, "     1.749      1.011      0.958")
+    assert diagnose_bytes(fine, None).category is not Category.NUMERIC
+
+
+def test_a_trainers_own_words_for_a_non_finite_loss_and_grad_norm_at_the_end():
+    """ESPnet's asr.py / e2e_asr_transformer.py warn "loss (=inf) is not correct" and "grad norm is nan.
+    Do not update model." (bench r10b dev): two such reports ending the log are a numeric failure; one
+    followed by finite training is not."""
+    pre = b"2020-12-10 17:06:00,690 (e2e_asr_transformer:406) WARNING: "
+    bad = pre + b"loss (=inf) is not correct\n" + b"2020-12-10 17:06:00,777 (asr:236) WARNING: grad norm is nan. Do not update model.\n"
+    d = diagnose_bytes(bad, None)
+    assert d.category is Category.NUMERIC, d.summary
+    recovered = bad + b"2020-12-10 17:06:10,001 (asr:240) INFO: loss: 98.58, grad norm: 12.3\n"
+    assert diagnose_bytes(recovered, None).category is not Category.NUMERIC
+
+
+def test_please_input_a_setting_is_a_configuration_check():
+    """ms-swift's argument check `raise ValueError(f'self.dataset: {self.dataset}, Please input the
+    training dataset.')` (bench r10a dev), as other frameworks word theirs "Please specify the ...",
+    "Please provide a ...". A program's request for a bug report is no such check."""
+    d = diagnose_bytes(b"ValueError: self.dataset: [], Please input the training dataset.\n", None)
+    assert d.category is Category.CONFIG_ERROR, d.summary
+    other = diagnose_bytes(b"RuntimeError: internal state corrupted. Please report this at github.com/x/y\n", None)
+    assert other.category is not Category.CONFIG_ERROR, other.summary
+
+
+def test_rusts_failed_allocation_is_host_memory():
+    """Rust's default alloc error handler (std::alloc::handle_alloc_error, used by the tokenizers and
+    safetensors extensions) prints "memory allocation of N bytes failed" and aborts (bench r10c dev):
+    host memory ran out. The words inside another line (a printed message) are not that line."""
+    log = (b"[2023-04-16 21:36:16,042] [INFO] [comm.py:586:init_distributed] Initializing TorchBackend\n"
+           b"memory allocation of 2097152 bytes failed\n"
+           b"[2023-04-16 21:54:13,235] [INFO] [launch.py:428:sigkill_handler] Killing subprocess 62215\n")
+    d = diagnose_bytes(log, None)
+    assert d.category is Category.HOST_OOM and d.subkind == "bad_alloc", d.summary
+    echoed = b"{'text': 'the log said memory allocation of 2097152 bytes failed'}\n"
+    assert diagnose_bytes(echoed, None).category is not Category.HOST_OOM
+
+
+def test_the_kernel_killing_a_process_of_the_job_is_host_oom_whatever_the_launcher_exits_with():
+    """DeepSpeed's launcher kills the other ranks ("Killing subprocess N") and exits 1 when one rank was
+    OOM-killed: the exit is no SIGKILL, but the kernel's line names the rank (the daemon keeps only
+    lines naming the job's own processes: run/kernel_log.py) (bench r10c dev). Without that line, or
+    with a kernel log read and no OOM in it, nothing says memory."""
+    log = (b"[2025-06-02 20:51:24,182] [INFO] [launch.py:319:sigkill_handler] Killing subprocess 410126\n"
+           b"[2025-06-02 20:51:24,184] [INFO] [launch.py:319:sigkill_handler] Killing subprocess 410127\n")
+    kernel = ("[856341.770960] Out of memory: Killed process 410126 (python) total-vm:79905000kB, "
+              "anon-rss:22957108kB, file-rss:72036kB, shmem-rss:15143164kB, UID:1000 pgtables:78032kB oom_score_adj:0")
+    d = diagnose_bytes(log, ExitRecord(1, None), HostEvidence(kernel_lines=(kernel,), kernel_log_read=True))
+    assert d.category is Category.HOST_OOM and "kernel" in d.summary, d.summary
+    quiet = diagnose_bytes(log, ExitRecord(1, None), HostEvidence(kernel_log_read=True))
+    assert quiet.category is not Category.HOST_OOM, quiet.summary
