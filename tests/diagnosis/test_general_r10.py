@@ -89,3 +89,55 @@ def test_the_kernel_killing_a_process_of_the_job_is_host_oom_whatever_the_launch
     assert d.category is Category.HOST_OOM and "kernel" in d.summary, d.summary
     quiet = diagnose_bytes(log, ExitRecord(1, None), HostEvidence(kernel_log_read=True))
     assert quiet.category is not Category.HOST_OOM, quiet.summary
+
+
+# --- batch r11's development part ---------------------------------------------------------------
+
+def test_a_programs_one_word_nan_alarm_ending_the_log_is_numeric():
+    """dl4mt's nmt.py prints "NaN detected" and returns; other trainers tag it ("[NaN/Inf detected] Loss
+    'x' is invalid. Setting to zero.") (bench r11b dev). "No NaN detected" is the opposite."""
+    log = b"> Valid  2.78936\n> Epoch  0 Update  88100 Cost  0.587470054626 UD  1.63904905319\n> NaN detected\n"
+    d = diagnose_bytes(log, None)
+    assert d.category is Category.NUMERIC, d.summary
+    fine = b"> Epoch  0 Update  88100 Cost  0.587470054626 UD  1.63904905319\n> No NaN detected\n"
+    assert diagnose_bytes(fine, None).category is not Category.NUMERIC
+
+
+def test_a_kernels_own_assertion_is_a_crash_whatever_the_kernel_is_called():
+    """ATen's CUDA_KERNEL_ASSERT prints "<file>.cu:<line>: <kernel>: block: [...], thread: [...] Assertion
+    `...` failed." with the kernel's name as the compiler spells it ("operator()"), and glibc's assert()
+    "prog: file.cpp:223: int f(...): Assertion `expr' failed." before abort() (bench r11a/r11b dev): the
+    program's own check failed, a crash even when the paste stops before Python's error."""
+    cuda = (b"/opt/conda/conda-bld/pytorch_1595629403081/work/aten/src/ATen/native/cuda/Loss.cu:106: operator(): "
+            b"block: [101,0,0], thread: [31,0,0] Assertion `input_val >= zero && input_val <= one` failed.\n"
+            b"Traceback (most recent call last):\n  File \"./tools/train.py\", line 188, in <module>\n    main()\n")
+    d = diagnose_bytes(cuda, None)
+    assert (d.category, d.subkind) == (Category.CRASH_OTHER, "device_assert"), d.summary
+    glibc = (b"python3: /usr/local/lib/python3.6/dist-packages/deepspeed/ops/csrc/aio/py_lib/deepspeed_py_aio_handle"
+             b".cpp:223: int deepspeed_aio_handle_t::pread(const at::Tensor&, const char*, bool, bool): Assertion "
+             b"`static_cast<long long int>(buffer_bytes) == num_file_bytes' failed.\n")
+    d = diagnose_bytes(glibc, None)
+    assert (d.category, d.subkind) == (Category.CRASH_OTHER, "abort"), d.summary
+    said = b"INFO: checked that the Assertion `x > 0' in kernels.cpp holds\n"
+    assert diagnose_bytes(said, None).category is Category.UNKNOWN
+
+
+def test_a_scripts_check_that_a_path_it_was_given_exists_is_configuration():
+    """diffusers' DreamBooth dataset: `raise ValueError("Instance images root doesn't exists.")` (bench
+    r11a dev), the same check FileNotFoundError makes. A path the program made itself is not in such words
+    checked by a ValueError about a model's internals."""
+    d = diagnose_bytes(b"ValueError: Instance images root doesn't exists.\n", None)
+    assert (d.category, d.subkind) == (Category.CONFIG_ERROR, "path_not_found"), d.summary
+    other = diagnose_bytes(b"ValueError: Expected a non-empty tensor; the layer has no weights\n", None)
+    assert other.category is not Category.CONFIG_ERROR
+
+
+def test_an_argparse_error_before_kaldis_run_pl_footer_is_the_final_error():
+    """Kaldi's and ESPnet1's run.pl/queue.pl close every job log with "# Accounting: time=..." and "# Ended
+    (code N) at ...": framing, not what the job said (bench r11a dev). argparse's "prog: error: ..." above
+    it is the log's final error, a configuration error, as it is without the footer."""
+    err = b"asr_train.py: error: unrecognized arguments: --lsm-type=unigram --sampling-probability=0.0\n"
+    footer = b"# Accounting: time=2 threads=1\n# Ended (code 2) at Thu Feb 20 12:16:09 CST 2020, elapsed time 2 seconds\n"
+    assert diagnose_bytes(err, None).category is Category.CONFIG_ERROR
+    d = diagnose_bytes(err + footer, None)
+    assert d.category is Category.CONFIG_ERROR and d.strength != "hint", d.summary

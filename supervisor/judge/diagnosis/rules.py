@@ -285,7 +285,7 @@ _RULE_TRIGGERS = (
     # a script's check of its own settings, on a traceback's code line (families/checks.py)
     "args.", "cfg.", "config.", "conf.", "opt.", "opts.", "hparams.", "hp.", "params.", "flags.", "FLAGS.", "options.",
     "args[", "cfg[", "config[", "conf[", "opt[", "hparams[",
-    "] Assertion `",  # a CUDA kernel's device-side assertion (families/crash.py)
+    "] Assertion `", ": Assertion `", ": Assertion '", "n't exist", "not exists",  # CUDA's device-side and glibc's assert(); a path check's words
     # comm: rendezvous, stores, gloo and NCCL's network code (families/comm.py)
     "store based barrier", "got error", "client socket", "closed by peer", "socket.cc:", "bootstrap.cc:",
     "net_ib.cc:", "ibvwrap.cc:", "socketPollConnect", "waiting for clients", "monitoredBarrier", "HorovodInternalError",

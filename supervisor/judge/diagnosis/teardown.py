@@ -43,6 +43,7 @@ _NOISE_RE = re.compile(
       # interpreter shutdown, wandb, warnings, shells, markdown fences
       | wandb: | \S+\.py:\d+:\ \w*Warning: | warnings\.warn\( | \w*Warning:
       | Error\ executing\ job\ with\ overrides | Set\ the\ environment\ variable\ HYDRA_FULL_ERROR
+      | \#\ (?:Accounting:\ time=|Ended\ \(code\ \d+\)\ at\ )              # Kaldi/ESPnet run.pl's footer
       | full_key:\ | reference_type= | object_type=                # omegaconf's detail under its error
       | Caused\ by\ op\ '[^']*',\ defined\ at: | \[\[\{*node\               # TensorFlow's op location
       | .*Skipping\ cancelled\ (?:en|de)queue\ attempt                 # TF's input queues closing at shutdown

@@ -58,6 +58,9 @@ _CHECK_CLASSES = frozenset({
 _CHECK_MESSAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
     # load_state_dict: a checkpoint of another model, vocabulary or LoRA rank than the one built
     ("checkpoint_mismatch", re.compile(r"Error\(s\) in loading state_dict for|size mismatch for \S+: copying a param")),
+    # a script's own check of a path it was given ("Instance images root doesn't exists.")
+    ("path_not_found", re.compile(r"\b(?:root|dir|directory|folder|path|file)\b[^.\n]{0,60}?"
+                                  r"\b(?:does ?n[o']t exists?|does not exists?|not exists?)\b", re.IGNORECASE)),
     # DeepSpeed: train_batch_size == micro_batch_per_gpu * gradient_acc_step * world_size
     ("batch_size_mismatch", re.compile(r"Check batch related parameters")),
     # yacs, omegaconf/hydra, mmcv/mmengine registries: a key or a type name the config gives is unknown

@@ -28,11 +28,14 @@ _SIGKILL_RE = re.compile(
 _EXITCODE_RE = re.compile(r"exitcode\s*:?\s*(-?\d+)")
 _LOCAL_RANK_RE = re.compile(r"local_rank:\s*(\d+)")
 _SEGV_RE = re.compile(r"Segmentation fault|SIGSEGV|exitcode\s*:?\s*-11\b|Signal 11\b")
-_ABORT_RE = re.compile(r"Aborted \(core dumped\)|SIGABRT|exitcode\s*:?\s*-6\b|Signal 6\b|Fatal Python error: Aborted|terminate called after throwing")
+_ABORT_RE = re.compile(r"Aborted \(core dumped\)|SIGABRT|exitcode\s*:?\s*-6\b|Signal 6\b|Fatal Python error: Aborted|terminate called after throwing"
+                       # glibc's assert(): "prog: file.cpp:223: int f(...): Assertion `expr' failed.", then abort()
+                       r"|\.(?:c|cc|cpp|cxx|h|hpp):\d+: .*: Assertion [`']")
 _BUS_RE = re.compile(r"[Bb]us error|SIGBUS")
 # The host's message, or the kernel's own printf before it (an index or class id out of range: data or code).
 _DEVICE_ASSERT_RE = re.compile(r"device-side assert triggered"
-                               r"|\.cuh?:\d+: \w+: block: \[\d+,\d+,\d+\], thread: \[\d+,\d+,\d+\] Assertion `")
+                               # (the kernel's name as the compiler spells it: "operator()", "cunn_ClassNLLCriterion...")
+                               r"|\.cuh?:\d+: [^:\n]{1,200}?: block: \[\d+,\d+,\d+\], thread: \[\d+,\d+,\d+\] Assertion `")
 _CHILD_FAILED_RE = re.compile(r"ChildFailedError")
 
 # Exceptions that are consequences or launcher noise, not a crash cause of their own.

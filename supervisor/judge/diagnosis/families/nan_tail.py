@@ -52,7 +52,9 @@ _NAN_TENSOR_RE = re.compile(r"(?:tensor\(|array\(|^\s*)\[+\s*nan(?:,?\s+\[*nan\]
 NAN_TAIL_RUN = 2
 _NAN_SAID_RE = re.compile(r"[Ll]oss (?:is|became) (?:nan|NaN|inf)\b|Invalid loss, terminating training"
                           # ESPnet-style: "loss (=inf) is not correct", "grad norm is nan. Do not update model."
-                          r"|[Ll]oss \(=\s*(?:nan|inf)\)|\bgrad(?:ient)?[ _]norm is (?:nan|inf)\b")
+                          r"|[Ll]oss \(=\s*(?:nan|inf)\)|\bgrad(?:ient)?[ _]norm is (?:nan|inf)\b"
+                          # a program's own one-word alarm: "NaN detected", "[NaN/Inf detected] Loss 'x' is invalid"
+                          r"|(?<![Nn]o )(?<![Nn]ot )\b(?:NaN|nan|NaN/Inf|nan/inf) detected\b")
 
 
 def _bad(v: str) -> bool:
