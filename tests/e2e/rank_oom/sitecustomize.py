@@ -5,7 +5,9 @@ sitecustomize chains into this one in every process (torchrun's ranks included).
 `transformers.trainer` is imported, `Trainer.compute_loss` (the forward) raises PyTorch's own
 `torch.OutOfMemoryError`, worded as the CUDA caching allocator words it, on the ranks in
 OOMTEST_RANKS whenever the rank's micro-batch holds more than OOMTEST_MAX_TOKENS tokens: a smaller
-micro-batch fits, as it would on a real GPU. The product contains nothing of this.
+micro-batch fits, as it would on a real GPU. With OOMTEST_OPTIMIZER_STEP=K and OOMTEST_ONCE=FILE, the
+same error comes from inside the K-th `torch.optim.AdamW.step` of those ranks instead, after it
+updated the parameters, once a night (FILE). The product contains nothing of this.
 
 It also maps torch.load's `cpu:0` to `cpu` (transformers 5.6 resumes a multi-rank run's
 optimizer.pt with map_location=args.device, which torch 2.14 cannot restore on CPU ranks; GPU
@@ -19,6 +21,22 @@ import sys
 _MAX_TOKENS = int(os.environ.get("OOMTEST_MAX_TOKENS", "0") or 0)
 _RANKS = {int(r) for r in os.environ.get("OOMTEST_RANKS", "").split(",") if r.strip()}
 _RANK = int(os.environ.get("RANK", "-1"))
+# An OOM inside the K-th optimizer step of the process, AFTER the parameters were updated (a
+# half-updated state across the ranks), once per night: OOMTEST_ONCE names a file that, once written,
+# disarms it (the remedied attempt runs the same steps again).
+_OPTIMIZER_STEP = int(os.environ.get("OOMTEST_OPTIMIZER_STEP", "0") or 0)
+_ONCE = os.environ.get("OOMTEST_ONCE", "")
+
+
+def _oom_error(torch, need):
+    return torch.OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate {need / 2**20:.2f} MiB. GPU {_RANK} has a total capacity "
+        f"of 79.19 GiB of which {need / 2**21:.2f} MiB is free. Including non-PyTorch memory, this process "
+        "has 78.96 GiB memory in use. Of the allocated memory 77.10 GiB is allocated by PyTorch, and "
+        "1.21 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
+        "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+        "documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html"
+        "#environment-variables)")
 
 
 def _patch_trainer(module):
@@ -30,17 +48,28 @@ def _patch_trainer(module):
         ids = inputs.get("input_ids") if hasattr(inputs, "get") else None  # a BatchEncoding, not a dict
         if _MAX_TOKENS and _RANK in _RANKS and ids is not None and ids.numel() > _MAX_TOKENS:
             need = ids.numel() * getattr(model, "module", model).config.vocab_size * 4  # the logits of this micro-batch, float32
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory. Tried to allocate {need / 2**20:.2f} MiB. GPU {_RANK} has a total capacity "
-                f"of 79.19 GiB of which {need / 2**21:.2f} MiB is free. Including non-PyTorch memory, this process "
-                "has 78.96 GiB memory in use. Of the allocated memory 77.10 GiB is allocated by PyTorch, and "
-                "1.21 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
-                "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
-                "documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html"
-                "#environment-variables)")
+            raise _oom_error(torch, need)
         return original(self, model, inputs, *args, **kwargs)
 
     module.Trainer.compute_loss = compute_loss
+    if _OPTIMIZER_STEP and _RANK in _RANKS and _ONCE:
+        _patch_optimizer(torch)
+
+
+def _patch_optimizer(torch):
+    step = torch.optim.AdamW.step
+    calls = [0]
+
+    def oom_step(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == _OPTIMIZER_STEP and not os.path.exists(_ONCE):
+            with open(_ONCE, "w") as f:
+                f.write(f"rank {_RANK}, optimizer step {calls[0]}\n")
+            raise _oom_error(torch, sum(p.numel() for g in self.param_groups for p in g["params"]) * 8)
+        return out
+
+    torch.optim.AdamW.step = oom_step
 
 
 def _patch_torch(torch):
@@ -84,5 +113,5 @@ class _Finder:
         return spec
 
 
-if _MAX_TOKENS or os.environ.get("OOMTEST_CPU_LOAD") == "1":
+if _MAX_TOKENS or _OPTIMIZER_STEP or os.environ.get("OOMTEST_CPU_LOAD") == "1":
     sys.meta_path.insert(0, _Finder())
