@@ -141,3 +141,79 @@ def test_an_argparse_error_before_kaldis_run_pl_footer_is_the_final_error():
     assert diagnose_bytes(err, None).category is Category.CONFIG_ERROR
     d = diagnose_bytes(err + footer, None)
     assert d.category is Category.CONFIG_ERROR and d.strength != "hint", d.summary
+
+
+# --- batch r12's development part ---------------------------------------------------------------
+
+def test_one_metrics_line_whose_losses_are_nan_is_numeric_even_beside_a_grad_norm():
+    """verl's console logger prints a step's metrics as "key:value - key:value" (bench r12b dev): with
+    the policy and KL losses NaN the loss itself is gone, not a skipped fp16 step's grad norm."""
+    line = (b"step:59 - actor/kl_loss:nan - actor/kl_coef:0.001 - actor/entropy_loss:nan - actor/pg_loss:nan"
+            b" - actor/grad_norm:nan - critic/score/mean:0.412\n")
+    d = diagnose_bytes(line, None)
+    assert d.category is Category.NUMERIC, d.summary
+    skipped = b"step:59 - actor/kl_loss:0.012 - actor/pg_loss:0.31 - actor/grad_norm:nan\n"
+    assert diagnose_bytes(skipped, None).category is not Category.NUMERIC
+
+
+def test_a_registry_that_refuses_a_name_in_other_words_is_configuration():
+    """ms-swift's `model_type: 'got-ocr2' is not registered` and detectron2's catalog `Dataset
+    'coco_2017_train' is already registered!` (bench r12a/r12b dev): the name the config gives."""
+    for msg in (b"ValueError: model_type: 'got-ocr2' is not registered\n",
+                b"AssertionError: Dataset 'coco_2017_train' is already registered!\n"):
+        d = diagnose_bytes(msg, None)
+        assert (d.category, d.subkind) == (Category.CONFIG_ERROR, "unknown_keys"), d.summary
+    assert diagnose_bytes(b"RuntimeError: hook is not registered for this module\n", None).category \
+        is not Category.CONFIG_ERROR
+
+
+def test_a_deepspeed_config_path_that_does_not_exist_is_configuration():
+    """transformers' HfDeepSpeedConfig: "Expected a string path to an existing deepspeed config, or a
+    dictionary, or a base64 encoded string. Received: ds_config_zero2.json" (bench r12b dev)."""
+    d = diagnose_bytes(b"ValueError: Expected a string path to an existing deepspeed config, or a dictionary,"
+                       b" or a base64 encoded string. Received: ds_config_zero2.json\n", None)
+    assert (d.category, d.subkind) == (Category.CONFIG_ERROR, "path_not_found"), d.summary
+
+
+def test_jsonargparses_error_and_its_indented_message_end_the_log():
+    """LightningCLI's parser (jsonargparse) prints its usage, then "error: Parser key ...:" with the
+    reasons indented under it, then exits 2 (bench r12a dev): that block is the final error, the user's
+    configuration; an indented block under no error head stays what it was."""
+    log = (b"usage: main.py [-h] [-c CONFIG] [--print_config[=flags]] {fit,validate,test,predict} ...\n"
+           b'error: Parser key "trainer.deterministic":\n  Does not validate against any of the Union subtypes\n'
+           b"  Subtypes: (<class 'bool'>, <class 'NoneType'>)\n  Given value type: <class 'str'>\n  Given value: warn\n")
+    d = diagnose_bytes(log, None)
+    assert d.category is Category.CONFIG_ERROR and d.strength != "hint", d.summary
+    short = b"usage: trainer.py [-h] [-c CONFIG]\nerror: Validation failed: Key 'model.init_args.seq_length' is not expected\n"
+    assert diagnose_bytes(short, None).category is Category.CONFIG_ERROR
+
+
+def test_a_check_that_tells_the_user_to_correct_their_labels_is_configuration():
+    """YOLOv5's dataset check: `assert mlc < nc, f'Label class {mlc} exceeds nc={nc} in {data}. Possible
+    class labels are 0-{nc - 1}'` / "... Correct your labels or your model." (bench r12a dev)."""
+    d = diagnose_bytes(b"AssertionError: Label class 20 exceeds nc=20 in data/yolov5m.yaml. Correct your labels"
+                       b" or your model.\n", None)
+    assert d.category is Category.CONFIG_ERROR, d.summary
+
+
+def test_a_scripts_assert_that_a_path_setting_exists_is_configuration():
+    """`assert os.path.exists(args.train_dir)` in the user's own train.py, a bare AssertionError under it
+    (bench r12a dev): the path the user passed. The same assert on the script's own variable is not a
+    setting."""
+    def tb(code: bytes) -> bytes:
+        return (b'Traceback (most recent call last):\n  File "train.py", line 286, in <module>\n    main()\n'
+                b'  File "train.py", line 107, in main\n    ' + code + b"\nAssertionError\n")
+    d = diagnose_bytes(tb(b"assert os.path.exists(args.train_dir)"), None)
+    assert d.category is Category.CONFIG_ERROR, d.summary
+    assert diagnose_bytes(tb(b"assert os.path.exists(tmp_file)"), None).category is not Category.CONFIG_ERROR
+
+
+def test_torch_2_0s_agent_summary_after_an_argparse_error_is_teardown():
+    """torch 2.0-2.2's elastic agent logs "torch.distributed.elastic.multiprocessing.api: [ERROR] failed
+    (exitcode: 2) local_rank: 0 ..." after the child's own error (bench r12a dev, MONAI): a launcher's
+    report, so argparse's error above it is the final error."""
+    log = (b"brats_training_ddp.py: error: unrecognized arguments: --local-rank=0\n"
+           b"[2024-03-16 03:30:01,302] torch.distributed.elastic.multiprocessing.api: [ERROR] failed (exitcode: 2)"
+           b" local_rank: 0 (pid: 380) of binary: /usr/bin/python\n")
+    d = diagnose_bytes(log, None)
+    assert d.category is Category.CONFIG_ERROR and d.strength != "hint", d.summary

@@ -272,7 +272,8 @@ _RULE_TRIGGERS = (
     "Service Unavailable", "Service Temporarily Unavailable", "Bad Gateway", "Gateway Time",
     # config checks said outside an exception line (families/config.py)
     "size mismatch for", "Please verify arguments", "is not in struct", "Could not override", "only the following",
-    ": error: ", "call to target", "locating target", "Missing mandatory value", "model is torch.Size",
+    ": error: ", "error: Parser key", "error: Validation failed", "is not registered", "is already registered",
+    "Correct your", "path to an existing", "call to target", "locating target", "Missing mandatory value", "model is torch.Size",
     "TypeError(", "No such option", "Invalid value for", "Missing option", "Missing argument", "Missing parameter",
     "unexpected extra argument",
     # numeric blow-ups in other frameworks' words (families/numeric.py)

@@ -36,7 +36,7 @@ _NOISE_RE = re.compile(
       | (?:\S+\ )?FAILED$ | Failures: | <NO_OTHER_FAILURES> | Root\ Cause\ \(first\ observed\ failure\):
       | \[\d+\]:$ | (?:time|host|rank|exitcode|error_file|traceback)\s*:
       | To\ enable\ traceback\ see: | ERROR:torch\.distributed | WARNING:torch\.distributed
-      | .*(?:api\.py:\d+\]\ failed\ \(exitcode|Sending\ process\ \d+\ closing\ signal|\[launch\.py:\d+:sigkill_handler\]
+      | .*(?:api\.py:\d+\]\ failed\ \(exitcode|multiprocessing\.api:\ \[ERROR\]\ failed\ \(exitcode|Sending\ process\ \d+\ closing\ signal|\[launch\.py:\d+:sigkill_handler\]
           |Killing\ subprocess\ \d+|exits\ with\ return\ code\ =|Main\ process\ received\ SIG
           |Primary\ job\ terminated\ normally|mpirun\ (?:detected|noticed)|srun:\ (?:error|Job\ step\ aborted)
           |process\ group\ has\ NOT\ been\ destroyed|destroy_process_group\(\)\ was\ not\ called)
@@ -61,6 +61,9 @@ _SHELL_KILLED_RE = re.compile(r"(?:^|\])\s*\S+$")
 # indented to its column. Such a record is one line of the log: its head says what it is.
 _RICH_LOG_HEAD_RE = re.compile(r"^\s*(?:\[?\d[\d/:.\- ]*\]?\s+)?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s{2,}\S")
 _RICH_LOG_CONT_RE = re.compile(r"^\s{20,}\S")
+# An argument parser's error (argparse's "prog: error: ...", jsonargparse's "error: Parser key ..."):
+# like an exception line, the head of a block whose indented lines below are its message.
+_ERROR_HEAD_RE = re.compile(r"^(?:\S+: )?error: \S")
 
 
 def clean(text: str, prefixes: tuple[str, ...]) -> str:
@@ -112,7 +115,7 @@ def final_block(tail: list[tuple[int, str]], prefixes: tuple[str, ...],
     for i in range(last, max(-1, last - MESSAGE_LINES - 1), -1):
         if kinds[i][2] or _PROGRESS_RE.search(kinds[i][1]):
             break  # the block is contiguous: noise or progress before it belongs to something else
-        if exception_class(kinds[i][1]) is not None:
+        if exception_class(kinds[i][1]) is not None or _ERROR_HEAD_RE.match(kinds[i][1]):
             first = i  # the earliest exception line: later ones are its message (NCCL, chained texts)
     if first == last and _RICH_LOG_CONT_RE.match(raws[last]):
         first = _rich_record_head(raws, last)

@@ -110,6 +110,8 @@ def raised_at_config_frame(exc: str | None, func: str, path: str) -> bool:
 # code (not a library's): there a setting is the user's; in a library the same line is the library's state.
 _SETTINGS = r"(?:self\.)?(?:args|cfg|config|conf|opt|opts|hparams|hp|params|flags|FLAGS|options)"
 _CHECK_CODE_RE = re.compile(rf"^(?:assert\s+(?:not\s+)?\(?\s*{_SETTINGS}\.\w"
+                            # ...or that a path a setting names exists: `assert os.path.exists(args.train_dir)`
+                            rf"|assert\s+(?:not\s+)?(?:os\.path\.(?:exists|isfile|isdir)|os\.access|Path)\(\s*{_SETTINGS}\.\w"
                             rf"|raise \w+\(.*\b{_SETTINGS}\.\w)")
 _LOOKUP_CODE_RE = re.compile(rf"\w\[\s*{_SETTINGS}\.\w[\w.]*\s*\]|\b{_SETTINGS}\[\s*['\"]")
 _LIBRARY_PATH_RE = re.compile(r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python\d[\d.]*[/\\]")

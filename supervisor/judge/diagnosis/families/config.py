@@ -60,12 +60,16 @@ _CHECK_MESSAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("checkpoint_mismatch", re.compile(r"Error\(s\) in loading state_dict for|size mismatch for \S+: copying a param")),
     # a script's own check of a path it was given ("Instance images root doesn't exists.")
     ("path_not_found", re.compile(r"\b(?:root|dir|directory|folder|path|file)\b[^.\n]{0,60}?"
-                                  r"\b(?:does ?n[o']t exists?|does not exists?|not exists?)\b", re.IGNORECASE)),
+                                  r"\b(?:does ?n[o']t exists?|does not exists?|not exists?)\b"
+                                  # transformers' HfDeepSpeedConfig: "Expected a string path to an existing deepspeed config"
+                                  r"|\bpath to an existing\b", re.IGNORECASE)),
     # DeepSpeed: train_batch_size == micro_batch_per_gpu * gradient_acc_step * world_size
     ("batch_size_mismatch", re.compile(r"Check batch related parameters")),
     # yacs, omegaconf/hydra, mmcv/mmengine registries: a key or a type name the config gives is unknown
     ("unknown_keys", re.compile(r"Non-existent config key|is not in struct|Could not override '"
-                                r"|is not in the (?:\S+ )?registry")),
+                                r"|is not in the (?:\S+ )?registry"
+                                # a registry's refusal in other words (ms-swift's model_type, detectron2's catalog)
+                                r"|['\"] is (?:not|already) registered\b")),
     (
         "invalid_arguments",
         re.compile(
@@ -75,6 +79,8 @@ _CHECK_MESSAGES: tuple[tuple[str, re.Pattern[str]], ...] = (
             r"|remaining_argv: \[|\bTarget modules? .*(?:not found in the base model|is not supported)"
             r"|Error: Target module \w+\($|You can't train a model that has been loaded in"
             r"|Attempting to unscale FP16 gradients|in the [Dd]eep[Ss]peed config"
+            # a check that tells the user what to fix: "... exceeds nc=20 in x.yaml. Correct your labels or your model."
+            r"|\b[Cc]orrect your (?:labels|config|configuration|settings|arguments|data|dataset|model)\b"
         ),
     ),
 )
@@ -92,6 +98,10 @@ _CHECK_MENTION_RE = re.compile(r"size mismatch for \S+: copying a param with sha
                                # argparse.py ArgumentParser.error(): "%(prog)s: error: %(message)s", exit 2
                                r"|^\S+: error: (?:argument \S+: |unrecognized arguments: |the following arguments are"
                                r" required: |ambiguous option: )"
+                               # jsonargparse (LightningCLI) after its usage line: "error: Parser key ...", "error:
+                               # Validation failed: Key '...' is not expected"
+                               r"|^error: (?:Parser key [\"']|Validation failed: |Configuration check failed|Problem with "
+                               r"given class_path|Unrecognized arguments: )"
                                # click/exceptions.py UsageError.show(): "Error: {message}", exit 2
                                r"|^Error: (?:No such option: |Invalid value for |Missing (?:option|argument|parameter) "
                                r"|Got unexpected extra arguments? )"

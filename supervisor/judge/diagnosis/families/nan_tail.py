@@ -113,7 +113,9 @@ def _scan(tail: list[tuple[int, str]]) -> tuple[list[tuple[int, str]], bool]:
             continue
         if any(_bad(v) for _, v in main):
             # a loss of exactly 0 beside a non-finite grad norm is the loss gone too (transformers logs it so)
-            loss_bad = loss_bad or (not bad and any(_bad(v) or _zero(v) for name, v in main if name not in _GRAD))
+            # ...and so is any other loss the same line reports non-finite (an RL trainer's pg_loss, kl_loss)
+            loss_bad = loss_bad or (not bad and (any(_bad(v) or _zero(v) for name, v in main if name not in _GRAD)
+                                                 or any(_bad(v) for name, v in vals if name not in _MAIN)))
             bad.append((n, raw))
         else:
             break
