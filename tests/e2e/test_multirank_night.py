@@ -157,6 +157,8 @@ def test_ddp_night_rank_1_oom_inside_its_optimizer_step_saves_nothing_and_resume
     assert first["diagnosis"]["category"] == "gpu_oom" and first["diagnosis"]["rank"] == 1, first["diagnosis"]
     log1 = next(iter(sorted((d.state / "jobs/1/attempt-1").glob("*.log")))).read_text(errors="replace")
     em = parse_emergency(log1.splitlines())
+    said = [ln for ln in log1.splitlines() if "oom-supervisor: no emergency checkpoint:" in ln]
+    assert len(said) == 1, said  # rank 1 says it once; rank 0 is ended by torchrun, saying nothing
     assert (em.outcome, em.oom_rank, em.world_size) == ("not_attempted", 1, 2), em
     assert "the OOM hit the optimizer step of step 9" in em.reason and "half-updated" in em.reason, em
     assert first["emergency_checkpoint"] and "no emergency checkpoint" in first["emergency_checkpoint"], first

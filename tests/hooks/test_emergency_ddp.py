@@ -84,18 +84,6 @@ def test_forward_oom_on_rank_1_saves_the_replica_and_a_2_rank_resume_is_exact(tm
     assert not math.isclose(losses(log3)[8], ddp_reference[8], rel_tol=1e-5), (losses(log3), ddp_reference)
 
 
-def test_oom_inside_the_optimizer_step_on_rank_1_saves_nothing_and_names_the_rank(tmp_path):
-    out = tmp_path / "out"
-    rc, log = run(out, "--oom-optimizer", "8", "--oom-rank", "1", launcher=torchrun(29574), timeout=400)
-    assert rc != 0
-    said = [m for m in markers(log) if m.startswith("oom-supervisor: no emergency checkpoint:")]
-    assert len(said) == 1, markers(log)
-    assert "the OOM hit the optimizer step of step 8 on rank 1 of 2" in said[0] and "half-updated" in said[0]
-    assert parse_emergency(log.splitlines()).outcome == "not_attempted"
-    assert [c.step for c in scan_output_dir(out, expected_world_size=2).complete] == [5]
-    assert not (out / "checkpoint-7").exists() and not list(out.glob("tmp-*"))
-
-
 def test_a_rank_that_never_answers_means_no_save_within_the_budget(tmp_path):
     out = tmp_path / "out"
     # Rank 1 stops rank 0 (SIGSTOP) right before its OOM: rank 0's watcher can never answer.
