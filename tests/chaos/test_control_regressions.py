@@ -186,8 +186,10 @@ def test_shutdown_stops_term_ignoring_attempts_in_parallel(chaos):
     took = time.monotonic() - t0
     assert rc == 0
     assert trainings(chaos.work) == [], "every attempt stopped before the daemon exits"
-    assert took <= grace + 2.5, (f"shutdown took {took:.1f}s for {n} SIGTERM-ignoring attempts with "
-                                 f"stop_grace {grace:.0f}s: stopped one after another, not in parallel")
+    # In parallel: one grace and the kills (3.2-5.6 s seen, the last on a loaded CI box); one after
+    # another: at least n graces (12 s). The bound sits between them, not at the unloaded figure.
+    assert took < grace * (n + 1) / 2, (f"shutdown took {took:.1f}s for {n} SIGTERM-ignoring attempts with "
+                                        f"stop_grace {grace:.0f}s: stopped one after another, not in parallel")
     assert [chaos.rec.state(i + 1) for i in range(n)] == ["interrupted"] * n
 
 
