@@ -32,9 +32,11 @@ def test_gloo_abort_leaves_the_peer_blocked_and_breaking_the_connections_ends_it
     if not torchrun.exists():
         pytest.skip("no torchrun")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OOM_SUPERVISOR_") and k != "PYTHONPATH"}
-    # BREAK_LAG_S: rank 0 breaks its side 5 ms after telling rank 1, so rank 1's break ends the stuck op
-    # first and rank 0's main thread goes on while its own break is still to come (CI's failure)
-    env.update(PYTHONPATH=str(HOOK_DIR), ABORT_WAIT_S="3", BREAK_LAG_S="0.005")
+    # BREAK_LAG_S: rank 0 breaks its side 0.5 s after telling rank 1, so rank 1's break ends the stuck op
+    # first and rank 0's main thread goes on while its own break is still to come (CI's failure). 5 ms
+    # was too little on a loaded box: rank 1 woke from its store wait after rank 0 had broken both sides
+    # (CI: rank 1 "0 gloo connection(s) shut down"), and the case was not the one this test is for.
+    env.update(PYTHONPATH=str(HOOK_DIR), ABORT_WAIT_S="3", BREAK_LAG_S="0.5")
     proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29597", str(HERE / "gloo_break.py")],
                           capture_output=True, text=True, env=env, timeout=180, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
