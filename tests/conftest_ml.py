@@ -204,6 +204,17 @@ def log_records(output_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def aborted_after_training(log_text: str) -> bool:
+    """The run trained to its end and saved, then a rank died of SIGABRT on its way out: "terminate
+    called without an active exception" after the trainer's "Training completed", with 2 ranks under
+    DeepSpeed ZeRO-3 over gloo while rank 0 still wrote the final model (seen in CI on three different
+    tests; never before the final save). A teardown crash of the stack, not of what a test checks:
+    the daemon takes it for an unknown abort and resumes from the final checkpoint
+    (tests/e2e/test_multirank_night.py)."""
+    done = log_text.find("Training completed")
+    return done >= 0 and "terminate called without an active exception" in log_text[done:]
+
+
 def steps_logged(output_dir: Path) -> dict[int, dict[str, Any]]:
     """Per-step loss/lr records (the final summary line has no loss)."""
     return {r["current_steps"]: r for r in log_records(output_dir) if "loss" in r}
